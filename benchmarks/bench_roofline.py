@@ -1,0 +1,126 @@
+"""AR decode against the memory roofline, and the cost of verifying N tree nodes.
+
+A 125M-class random Llama (float32) decodes at batch 1 through the engine's own
+verify step (an empty tree = plain decoding). The floor is
+weight_bytes / bandwidth, with bandwidth measured in the same run by a jitted
+reduction over a >= 1 GB array (all cores). Then one verify step over a tree of
+N nodes is timed against that decode step, N in {1, 4, 16, 64}: the curve that
+sizes trees for this hardware (`num_speculative_tokens="auto"`).
+
+    python benchmarks/bench_roofline.py [--json out.json] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from specdec.draft.base import DraftBatch  # noqa: E402
+from specdec.kernels.config import ModelConfig  # noqa: E402
+from specdec.kernels.transformer import init_params  # noqa: E402
+from specdec.verify.batch import SamplingBatch  # noqa: E402
+from specdec.workers import TargetWorker  # noqa: E402
+
+CONFIG_125M = ModelConfig(
+    vocab_size=32000, hidden_size=768, intermediate_size=3072, num_layers=12, num_heads=12,
+    num_kv_heads=12, head_dim=64, max_position_embeddings=2048,
+)  # fmt: skip
+CONFIG_SMALL = ModelConfig(
+    vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
+    num_kv_heads=4, head_dim=64, max_position_embeddings=2048,
+)  # fmt: skip
+
+
+def best_of(fn, repeats: int) -> float:
+    """Median seconds of `fn()` (which must block) over `repeats` runs."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def measure_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
+    """Bytes/s of a jitted sum over a float32 array of `gib` GiB (read once per call)."""
+    n = int(gib * 2**30 // 4)
+    x = jnp.ones((n,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    f(x).block_until_ready()
+    sec = best_of(lambda: f(x).block_until_ready(), repeats)
+    return n * 4 / sec
+
+
+def chain_tree(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A tree of n nodes: 4 root children, each extended by a chain (typical EAGLE shape)."""
+    parents = [-1 if i < 4 else i - 4 for i in range(n)]
+    return np.arange(1, n + 1, dtype=np.int32) % 1000, np.array(parents, np.int32)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--small", action="store_true", help="tiny model (smoke run)")
+    ap.add_argument("--context", type=int, default=128, help="committed tokens before timing")
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    cfg = CONFIG_SMALL if args.small else CONFIG_125M
+
+    bandwidth = measure_bandwidth(0.25 if args.small else 1.0)
+    params = init_params(cfg, jax.random.key(0), jnp.float32)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    sizes = (1, 4, 16, 64)
+    target = TargetWorker(cfg, params, num_slots=1, max_model_len=1024, max_tree_nodes=max(sizes))
+    sampling = SamplingBatch.make_dummy(1)
+    active = np.ones(1, bool)
+    prompt = list(range(1, args.context + 1))
+    target.prefill([0], [prompt], sampling)
+
+    def step(tree: DraftBatch):
+        target.runner.cache_lens[0] = args.context  # time the same position every call
+        target.verify(np.array([7], np.int32), tree, active, sampling)
+
+    results = {"config": cfg.__class__.__name__, "params": cfg.num_params()}
+    empty = DraftBatch.empty(1)
+    step(empty)
+    decode_s = best_of(lambda: step(empty), args.repeats)
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * args.context * cfg.head_dim * 4
+    floor_s = (weight_bytes + kv_bytes) / bandwidth
+    results |= {
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "weight_bytes": weight_bytes,
+        "decode_ms_per_token": decode_s * 1e3,
+        "roofline_ms_per_token": floor_s * 1e3,
+        "fraction_of_roofline": floor_s / decode_s,
+    }
+    curve = {}
+    for n in sizes:
+        toks, parents = chain_tree(n)
+        tree = DraftBatch(toks[None], parents[None], None, empty.child_sampling)
+        step(tree)
+        curve[n] = best_of(lambda tree=tree: step(tree), args.repeats) / decode_s
+    results["verify_cost_vs_decode"] = curve
+
+    print(f"model: {cfg.num_params() / 1e6:.0f}M params, {weight_bytes / 1e6:.0f} MB float32")
+    print(f"measured bandwidth: {bandwidth / 1e9:.1f} GB/s")
+    print(f"AR decode (batch 1): {decode_s * 1e3:.2f} ms/token")
+    print(f"roofline floor:      {floor_s * 1e3:.2f} ms/token (weights + KV / bandwidth)")
+    print(f"fraction of roofline: {floor_s / decode_s:.0%}")
+    print("verify cost of N tree nodes relative to one decode step:")
+    for n, r in curve.items():
+        print(f"  N={n:3d}: {r:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

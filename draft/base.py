@@ -1,0 +1,67 @@
+"""What every drafter provides, and the batch of trees it hands the target.
+
+A drafter keeps its own per-slot state (a model drafter its KV cache, an
+n-gram drafter the committed tokens) and talks to the engine in four calls:
+`start` when sequences enter slots, `propose` once per step, `commit` with the
+target's verdict, `release` when a sequence leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import numpy as np
+
+from specdec.verify.batch import SamplingBatch
+from specdec.verify.tree import ChildSampling
+
+PAD_PARENT = -2  # parent index of a padding node
+
+
+@dataclasses.dataclass
+class DraftBatch:
+    """One step's trees for all slots (row s = slot s), padded to N nodes."""
+
+    tokens: np.ndarray  # i32[S, N]
+    parents: np.ndarray  # i32[S, N], -1 = child of root, -2 = padding
+    draft_probs: object  # f32[S, N+1, V] q per node (device or host); None if not needed
+    child_sampling: ChildSampling  # how children were drawn: picks the acceptance rule
+
+    @property
+    def num_nodes(self) -> np.ndarray:  # i32[S] real (unpadded) nodes per row
+        return (self.parents >= -1).sum(axis=1).astype(np.int32)
+
+    @classmethod
+    def empty(cls, num_slots: int, max_nodes: int = 0) -> DraftBatch:
+        """All-padding trees (plain decoding, or a drafter with nothing to say)."""
+        return cls(
+            tokens=np.zeros((num_slots, max_nodes), np.int32),
+            parents=np.full((num_slots, max_nodes), PAD_PARENT, np.int32),
+            draft_probs=None,
+            child_sampling=ChildSampling.DETERMINISTIC_TOPK,
+        )
+
+
+class Drafter(Protocol):
+    """The engine's view of a drafter."""
+
+    max_nodes: int  # N: every proposed tree is padded to this many nodes
+
+    def start(self, slots: list[int], prompts: list[list[int]], roots: list[int]) -> None:
+        """New sequences entered `slots` with these prompts and first output tokens."""
+
+    def propose(self, active: np.ndarray, roots: np.ndarray, sampling: SamplingBatch) -> DraftBatch:
+        """Trees hanging from `roots` (i32[S]) for the active slots (bool[S])."""
+
+    def commit(
+        self,
+        active: np.ndarray,  # bool[S]
+        accepted_nodes: np.ndarray,  # i32[S, N] accepted node indices root-first, then -1
+        num_accepted: np.ndarray,  # i32[S]
+        emitted: np.ndarray,  # i32[S, N+1] accepted tokens, then the bonus token
+    ) -> None:
+        """The target kept `emitted[s, :num_accepted[s] + 1]`; the bonus is the new root."""
+
+    def release(self, slot: int) -> None:
+        """The sequence in `slot` finished."""

@@ -1,0 +1,450 @@
+"""Model drafter: a small LM grows a dynamic token tree (EAGLE-2 style).
+
+Each `propose` is one jitted call per batch:
+
+1. **Catch up.** The tokens the target committed since the last step that the
+   draft has not cached yet ("pending": accepted nodes the draft never ran, then
+   the new root) go through the draft in one causal block. Its last logits are
+   the draft distribution at the root.
+2. **Expand.** Level 1 candidates are the root's top-k tokens. For each level
+   d = 1 .. max_depth - 1, the k candidates with the highest cumulative
+   log-probability (product of draft probabilities along the path) are run
+   through the draft as one block of k tokens, each seeing the committed
+   prefix, its own ancestors (earlier levels, already in the cache) and itself;
+   their top-k tokens become the level d + 1 candidates.
+3. **Rerank.** The `num_speculative_tokens` candidates with the highest
+   cumulative log-probability form the tree. A child never scores above its
+   parent and candidates are numbered level by level, so the chosen set
+   contains every chosen node's parent; sorted by candidate number it is
+   topological.
+
+The greedy chain (the draft's top-1 token at every level, from the root down
+to `max_depth`) is always expanded and always kept, ahead of any score: so a
+tree never accepts less than the `topk=1` chain of the same depth would, and
+the other `num_speculative_tokens - max_depth` nodes widen it where the draft
+is unsure.
+
+Cache layout of one slot during a step (c = cached tokens before the step,
+P = pending tokens): positions [c, c + P) hold the pending tokens (the root at
+c + P - 1), then level d's k expanded nodes sit at
+`c + P + (d - 1) * k + j`. `commit` keeps the root, moves the accepted nodes
+that were expanded (an ancestor-closed prefix of the accepted path) next to
+it, and leaves the rest of the path pending for the next catch-up.
+
+Children are the deterministic top-k of q, so the target applies the
+draw-and-match rule (`ChildSampling.DETERMINISTIC_TOPK`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec.kernels import transformer
+from specdec.kernels.config import ModelConfig
+from specdec.kernels.kv_cache import ModelRunner, kv_bucket
+from specdec.kernels.transformer import Params
+from specdec.verify.batch import SamplingBatch
+from specdec.verify.tree import ChildSampling
+
+from .base import DraftBatch
+
+
+def num_candidates(topk: int, max_depth: int) -> int:
+    """Real tree nodes the expansion produces: k at level 1, k * k at each later level."""
+    return topk + (max_depth - 1) * topk * topk
+
+
+class ModelDrafter:
+    """A small LM drafting trees of up to `num_nodes` nodes, `max_depth` deep, `topk` wide."""
+
+    child_sampling = ChildSampling.DETERMINISTIC_TOPK
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Params,
+        *,
+        num_slots: int,
+        max_model_len: int,
+        num_nodes: int,
+        max_depth: int,
+        topk: int,
+        vocab_limit: int | None = None,
+    ):
+        self.cfg = cfg
+        self.topk = min(topk, cfg.vocab_size)
+        self.max_depth = max_depth
+        self.max_nodes = min(num_nodes, num_candidates(self.topk, max_depth))
+        self.pending_len = max_depth + 1  # accepted-but-unexpanded nodes + the new root
+        self.region = (max_depth - 1) * self.topk  # expanded nodes after the root
+        self.vocab_limit = min(vocab_limit or cfg.vocab_size, cfg.vocab_size)
+        self.runner = ModelRunner(
+            cfg,
+            params,
+            num_slots=num_slots,
+            max_len=max_model_len + self.pending_len + self.region + 1,
+        )
+        self.pending: list[list[int]] = [[] for _ in range(num_slots)]
+        self._expanded = np.full((num_slots, self.max_nodes), -1, np.int32)
+        self._root_pos = np.zeros(num_slots, np.int32)
+        self._deferred = self._no_commit()  # the last commit's K/V moves, not yet applied
+
+    def _no_commit(self) -> tuple[np.ndarray, ...]:
+        """K/V moves that move nothing: (slots -1, bases, src, kept) for `commit_kv`."""
+        s_count = self.runner.num_slots
+        return (
+            np.full(s_count, -1, np.int32),
+            np.zeros(s_count, np.int32),
+            np.zeros((s_count, self.max_depth), np.int32),
+            np.zeros(s_count, np.int32),
+        )
+
+    def _flush(self) -> None:
+        """Applies the deferred commit now (before any call but `_grow`, which fuses it)."""
+        if (self._deferred[0] >= 0).any():
+            r = self.runner
+            r.cache = transformer.commit_kv(r.cache, *self._deferred)
+            self._deferred = self._no_commit()
+
+    def start(self, slots, prompts, roots) -> None:
+        self._flush()
+        self.runner.prefill(slots, prompts)
+        for s, r in zip(slots, roots, strict=True):
+            self.pending[s] = [int(r)]
+
+    def release(self, slot: int) -> None:
+        self.runner.release(slot)
+        self.pending[slot] = []
+
+    def propose(self, active, roots, sampling: SamplingBatch) -> DraftBatch:
+        r = self.runner
+        s_count = r.num_slots
+        pend = np.zeros((s_count, self.pending_len), np.int32)
+        pend_len = np.ones(s_count, np.int32)
+        for s in np.flatnonzero(active):
+            p = self.pending[s]
+            pend[s, : len(p)] = p
+            pend_len[s] = len(p)
+        slots = np.where(active, np.arange(s_count), -1).astype(np.int32)
+        # The last commit's K/V moves run inside this same call: one dispatch per step.
+        deferred, self._deferred = self._deferred, self._no_commit()
+        tokens, parents, expanded, r.cache = _grow(
+            r.params,
+            r.cache,
+            deferred,
+            pend,
+            pend_len,
+            slots,
+            r.cache_lens.copy(),
+            cfg=self.cfg,
+            topk=self.topk,
+            max_depth=self.max_depth,
+            num_nodes=self.max_nodes,
+            vocab_limit=self.vocab_limit,
+            kv_len=kv_bucket(
+                int(r.cache_lens[active].max(initial=0)) + self.pending_len + self.region + 1,
+                r.max_len,
+            ),
+        )
+        tokens, parents = np.array(tokens), np.array(parents)
+        parents[~active] = -2
+        self._expanded = np.asarray(expanded)
+        self._root_pos = r.cache_lens + pend_len - 1
+        return DraftBatch(tokens, parents, None, self.child_sampling)
+
+    def commit(self, active, accepted_nodes, num_accepted, emitted) -> None:
+        r = self.runner
+        s_count = r.num_slots
+        src = np.zeros((s_count, self.max_depth), np.int32)
+        kept = np.zeros(s_count, np.int32)
+        for s in np.flatnonzero(active):
+            path = accepted_nodes[s, : num_accepted[s]]
+            m = 0
+            while m < len(path) and self._expanded[s, path[m]] >= 0:
+                src[s, m] = self._expanded[s, path[m]]
+                m += 1
+            kept[s] = m
+            r.cache_lens[s] = self._root_pos[s] + 1 + m
+            self.pending[s] = [int(t) for t in emitted[s, m : num_accepted[s] + 1]]
+        slots = np.where(active, np.arange(s_count), -1).astype(np.int32)
+        self._flush()  # a commit not yet applied (only after two commits in a row)
+        # Applied by the next `_grow` (or `_flush`): no dispatch of its own.
+        self._deferred = (slots, self._root_pos.copy(), src, kept)
+
+    # ------------------------------------------------------------------ overlap hooks
+    # Used by the distributed draft worker (cluster/actors.py) to grow tree t + 1
+    # while the target verifies tree t; the in-process engine never calls them.
+
+    def speculate(self, active: np.ndarray, tree: DraftBatch) -> Speculation:
+        """Grows the next tree now, guessing the verdict on `tree` (just proposed).
+
+        The guess: the greedy chain (each level's first child) is accepted in
+        full and the bonus token is the draft's own top-1 after it. The drafter
+        is left as if that verdict were committed and the next tree proposed;
+        `resolve` keeps this for rows the target confirms and rolls back the
+        rest. Rows whose chain ends on an expanded node (fewer nodes than
+        `max_depth`) are not guessed.
+        """
+        s_count = self.runner.num_slots
+        chain, length = greedy_chain(tree.parents)
+        rows = np.asarray(active, bool) & (length > 0)
+        for s in np.flatnonzero(rows):
+            rows[s] = self._expanded[s, chain[s, length[s] - 1]] < 0
+        before_expanded, before_root_pos = self._expanded.copy(), self._root_pos.copy()
+        emitted = np.zeros((s_count, self.max_nodes + 1), np.int32)
+        for s in np.flatnonzero(rows):
+            emitted[s, : length[s]] = tree.tokens[s, chain[s, : length[s]]]
+        # Guessed commit; the bonus slot (0 for now) is filled in after the peek.
+        self.commit(rows, chain, length, emitted)
+        bonus = self._peek(rows)
+        guess: dict[int, list[int]] = {}
+        for s in np.flatnonzero(rows):
+            self.pending[s][-1] = int(bonus[s])
+            guess[int(s)] = [*emitted[s, : length[s]].tolist(), int(bonus[s])]
+        next_tree = self.propose(rows, None, None) if rows.any() else None
+        spec = Speculation(
+            rows=rows,
+            guess=guess,
+            root_pos=before_root_pos,
+            tree=next_tree,
+            expanded=np.array(self._expanded),
+            root_pos_next=self._root_pos.copy(),
+        )
+        # Rows not guessed keep the state of `tree` for their real commit.
+        self._expanded = np.where(rows[:, None], self._expanded, before_expanded)
+        self._root_pos = np.where(rows, self._root_pos, before_root_pos)
+        return spec
+
+    def resolve(self, spec: Speculation, active, accepted_nodes, num_accepted, emitted):
+        """`commit` for a step that was speculated on; returns hit bool[S].
+
+        A guessed row whose real run (accepted tokens + bonus) equals the guess
+        is already committed and holds the next tree. A miss keeps only the
+        root's K/V (the guess overwrote the expanded nodes after it) and leaves
+        the whole real run pending for the next catch-up block. Rows that were
+        not guessed take the ordinary commit.
+        """
+        active = np.asarray(active, bool)
+        hit = np.zeros(self.runner.num_slots, bool)
+        plain = active & ~spec.rows
+        if plain.any():
+            self.commit(plain, accepted_nodes, num_accepted, emitted)
+        for s in np.flatnonzero(active & spec.rows):
+            run = [int(t) for t in emitted[s, : num_accepted[s] + 1]]
+            if run == spec.guess[int(s)]:
+                hit[s] = True
+            else:
+                self.runner.cache_lens[s] = spec.root_pos[s] + 1
+                self.pending[s] = run
+        return hit
+
+    def propose_reusing(self, spec: Speculation, hit, active, roots, sampling) -> DraftBatch:
+        """`propose`, taking the speculated tree for rows in `hit` and drafting the rest."""
+        reuse = np.asarray(active, bool) & np.asarray(hit, bool) & spec.rows
+        fresh = np.asarray(active, bool) & ~reuse
+        if fresh.any():
+            batch = self.propose(fresh, roots, sampling)
+        else:
+            batch = DraftBatch.empty(self.runner.num_slots, self.max_nodes)
+        if reuse.any():
+            batch.tokens[reuse] = spec.tree.tokens[reuse]
+            batch.parents[reuse] = spec.tree.parents[reuse]
+            self._expanded = np.where(reuse[:, None], spec.expanded, self._expanded)
+            self._root_pos = np.where(reuse, spec.root_pos_next, self._root_pos)
+        return batch
+
+    def _peek(self, rows: np.ndarray) -> np.ndarray:
+        """Draft top-1 token after each row's pending tokens but the last: i32[S]."""
+        r = self.runner
+        pend = np.zeros((r.num_slots, self.pending_len), np.int32)
+        pend_len = np.ones(r.num_slots, np.int32)
+        for s in np.flatnonzero(rows):
+            p = self.pending[s][:-1]
+            pend[s, : len(p)] = p
+            pend_len[s] = len(p)
+        slots = np.where(rows, np.arange(r.num_slots), -1).astype(np.int32)
+        self._flush()
+        # Writes K/V at the pending positions; the next catch-up block rewrites them.
+        top1, r.cache = _peek(
+            r.params,
+            r.cache,
+            pend,
+            pend_len,
+            slots,
+            r.cache_lens.copy(),
+            cfg=self.cfg,
+            vocab_limit=self.vocab_limit,
+            kv_len=kv_bucket(int(r.cache_lens[rows].max(initial=0)) + self.pending_len, r.max_len),
+        )
+        return np.asarray(top1)
+
+
+@dataclasses.dataclass
+class Speculation:
+    """The drafter's guess about one verdict, and the tree it grew from that guess."""
+
+    rows: np.ndarray  # bool[S] rows that were guessed
+    guess: dict[int, list[int]]  # slot -> guessed run (greedy chain tokens + bonus token)
+    root_pos: np.ndarray  # i32[S] cache position of the guessed tree's root (rollback point)
+    tree: DraftBatch | None  # the next tree, grown as if the guess were committed
+    expanded: np.ndarray  # i32[S, N] the next tree's expanded offsets (see `_grow`)
+    root_pos_next: np.ndarray  # i32[S] the next tree's root position
+
+
+def greedy_chain(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's greedy chain: the first child at every level, from the root down.
+
+    The model drafter numbers a node's top-1 child first among its siblings, so
+    the first child is the draft's greedy choice. Returns node indices i32[S, N]
+    (-1 padded) and chain lengths i32[S]. Example: parents [-1, -1, 0, 0, 2] ->
+    chain [0, 2, 4], length 3.
+    """
+    s_count, n = parents.shape
+    chain = np.full((s_count, n), -1, np.int32)
+    length = np.zeros(s_count, np.int32)
+    for s in range(s_count):
+        node = -1
+        while True:
+            kids = np.flatnonzero(parents[s] == node)
+            if not len(kids):
+                break
+            node = int(kids[0])
+            chain[s, length[s]] = node
+            length[s] += 1
+    return chain, length
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "topk", "max_depth", "num_nodes", "vocab_limit", "kv_len"),
+    donate_argnames=("cache",),
+)
+def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, *, cfg, topk, max_depth,
+          num_nodes, vocab_limit, kv_len):  # fmt: skip
+    """The last commit's K/V moves (`deferred`, the `commit_kv` arguments after the
+    cache), then catch-up + expansion + rerank (module docstring).
+
+    Returns tokens i32[B, N], parents i32[B, N] (-1 = child of root), expanded
+    i32[B, N] (the node's K/V offset from the root position, -1 if never run)
+    and the cache.
+    """
+    cache = transformer.commit_kv(cache, *deferred)
+    b, p = pend.shape
+    k = topk
+    w = k * k  # candidate slots per level; level 1 uses its first k (the rest stay -inf)
+    c_total = max_depth * w
+    region = max(max_depth - 1, 1) * k
+
+    def top_children(logits):  # [..., V] -> (logp [..., k], tokens [..., k])
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
+        return jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
+
+    def priority(score, is_chain):
+        return jnp.where(is_chain, jnp.inf, score)
+
+    positions = cache_lens[:, None] + jnp.arange(p, dtype=jnp.int32)[None]
+    mask = transformer.causal_block_mask(pend_len, p)
+    logits, cache = transformer.forward_block(
+        params,
+        cache,
+        pend,
+        positions,
+        mask,
+        slots,
+        cache_lens,
+        pend_len - 1,
+        cfg=cfg,
+        kv_len=kv_len,
+    )
+    root_pos = cache_lens + pend_len - 1
+    lp, tok = top_children(logits[:, 0])  # [B, k]
+
+    cand = dict(
+        tok=jnp.zeros((b, c_total), jnp.int32).at[:, :k].set(tok),
+        par=jnp.full((b, c_total), -1, jnp.int32),
+        score=jnp.full((b, c_total), -jnp.inf).at[:, :k].set(lp),
+        exp=jnp.full((b, c_total), -1, jnp.int32),  # K/V offset from the root, if expanded
+        anc=jnp.zeros((b, c_total, region), bool),  # expanded ancestors (region offsets)
+        # The greedy chain outranks every score (module docstring); candidate 0 is the
+        # root's top-1 child (top_k sorts descending, ties to the lowest token id).
+        chain=jnp.zeros((b, c_total), bool).at[:, 0].set(True),
+    )
+    chain = jnp.zeros((b,), jnp.int32)  # candidate index of the chain node at this level
+    t = jnp.arange(kv_len)
+    rows = jnp.arange(b)[:, None]
+    region_pos = root_pos[:, None] + 1 + jnp.arange(region)[None]  # [B, R]
+    sees = region_pos[:, None, :, None] == t[None, None, None, :]  # [B, 1, R, T]
+
+    def level(d, carry):
+        """Expand the best k candidates of level d into level d + 1 (d = 1 .. D - 1)."""
+        cand, chain, cache = carry
+        start = (d - 1) * w
+        score = jax.lax.dynamic_slice_in_dim(cand["score"], start, w, axis=1)
+        is_chain = jax.lax.dynamic_slice_in_dim(cand["chain"], start, w, axis=1)
+        _, sel = jax.lax.top_k(priority(score, is_chain), k)
+        sel = start + sel  # [B, k] candidates expanded at this level
+        offs = (d - 1) * k + jnp.arange(k, dtype=jnp.int32)  # their region offsets
+        anc = cand["anc"][rows, sel]  # [B, k, R]
+        cache_mask = (t[None, None, :] <= root_pos[:, None, None]) | jnp.any(
+            anc[:, :, :, None] & sees, axis=2
+        )
+        logits, cache = transformer.forward_block(
+            params,
+            cache,
+            cand["tok"][rows, sel],
+            jnp.broadcast_to(root_pos[:, None] + d, (b, k)),
+            jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k)),
+            slots,
+            root_pos + 1 + (d - 1) * k,
+            cache_mask=cache_mask,
+            cfg=cfg,
+            kv_len=kv_len,
+        )
+        clp, ctok = top_children(logits)  # [B, k, k]
+        parent_score = jnp.take_along_axis(cand["score"], sel, axis=1)
+        child_anc = anc | jax.nn.one_hot(offs, region, dtype=bool)[None]
+        new = d * w
+        put = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, new, axis=1)  # noqa: E731
+        chain = new + k * jnp.argmax(sel == chain[:, None], axis=1)  # its top-1 child
+        cand = dict(
+            tok=put(cand["tok"], ctok.reshape(b, w)),
+            par=put(cand["par"], jnp.repeat(sel, k, axis=1)),
+            score=put(cand["score"], (parent_score[:, :, None] + clp).reshape(b, w)),
+            exp=cand["exp"].at[rows, sel].set(1 + offs[None]),
+            anc=put(cand["anc"], jnp.repeat(child_anc, k, axis=1)),
+            chain=cand["chain"].at[rows[:, 0], chain].set(True),
+        )
+        return cand, chain, cache
+
+    cand, chain, cache = jax.lax.fori_loop(1, max_depth, level, (cand, chain, cache))
+    cand_score, cand_chain, cand_tok = cand["score"], cand["chain"], cand["tok"]
+    cand_par, cand_exp = cand["par"], cand["exp"]
+    _, chosen = jax.lax.top_k(priority(cand_score, cand_chain), num_nodes)
+    chosen = jnp.sort(chosen, axis=1)  # candidate order is topological
+    par_cand = jnp.take_along_axis(cand_par, chosen, axis=1)
+    par_idx = jax.vmap(jnp.searchsorted)(chosen, par_cand)
+    parents = jnp.where(par_cand >= 0, par_idx, -1).astype(jnp.int32)
+    tokens = jnp.take_along_axis(cand_tok, chosen, axis=1)
+    expanded = jnp.take_along_axis(cand_exp, chosen, axis=1)
+    return tokens, parents, expanded, cache
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "vocab_limit", "kv_len"), donate_argnames=("cache",)
+)
+def _peek(params, cache, pend, pend_len, slots, cache_lens, *, cfg, vocab_limit, kv_len):
+    """Causal block of pending tokens; the draft's top-1 after the last: (i32[B], cache)."""
+    p = pend.shape[1]
+    positions = cache_lens[:, None] + jnp.arange(p, dtype=jnp.int32)[None]
+    mask = transformer.causal_block_mask(pend_len, p)
+    logits, cache = transformer.forward_block(
+        params, cache, pend, positions, mask, slots, cache_lens, pend_len - 1, cfg=cfg,
+        kv_len=kv_len,
+    )  # fmt: skip
+    logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits[:, 0], -jnp.inf)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache

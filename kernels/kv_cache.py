@@ -1,0 +1,121 @@
+"""Slot-based KV-cache bookkeeping for one model: prefill into slots, track lengths.
+
+`ModelRunner` owns a model's params, its `KVCache` over a fixed number of
+sequence slots, and `cache_lens[s]`: how many committed tokens of slot s have
+K/V in the cache. The target worker and the model drafter each hold one.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec.kernels import transformer
+from specdec.kernels.config import ModelConfig
+from specdec.kernels.transformer import KVCache, Params
+
+
+class ModelRunner:
+    """One model's weights, KV cache and committed lengths over a fixed set of slots."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Params,
+        *,
+        num_slots: int,
+        max_len: int,  # cache positions per slot (committed tokens + one verify block)
+        prefill_chunk: int = 512,
+        stacked: bool = False,  # keep [L, ...] layer weights (what the megakernel streams)
+    ):
+        self.cfg = cfg
+        # Per-layer arrays: XLA on CPU streams them 3.4x faster than scanned slices.
+        self.params = params if stacked else transformer.unstack_layers(params)
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.prefill_chunk = prefill_chunk
+        # One spare chunk: a padded prefill chunk always fits, so writes are never clamped;
+        # rounded up to the 16-row tile so a kernel may DMA any aligned window of it.
+        alloc = -(-(max_len + prefill_chunk) // 16) * 16
+        self.cache = KVCache.create(cfg, num_slots, alloc, dtype=params["embed"].dtype)
+        self.cache_lens = np.zeros(num_slots, np.int32)
+
+    def release(self, slot: int) -> None:
+        self.cache_lens[slot] = 0
+
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> jax.Array:
+        """Writes the prompts' K/V into `slots`; returns last-token logits f32[B, V].
+
+        The batch is padded to a power of two and each chunk to a power-of-two
+        length (at most `prefill_chunk`), so few shapes are ever compiled.
+        """
+        b = len(prompts)
+        bb = bucket(b, self.num_slots)
+        lens = np.zeros(bb, np.int32)
+        lens[:b] = [len(p) for p in prompts]
+        longest = int(lens.max())
+        chunk = min(self.prefill_chunk, bucket(longest, self.prefill_chunk))
+        toks = np.zeros((bb, -(-longest // chunk) * chunk), np.int32)
+        for i, p in enumerate(prompts):
+            toks[i, : len(p)] = p
+        slot_arr = np.full(bb, -1, np.int32)
+        slot_arr[:b] = slots
+        last = None
+        for start in range(0, toks.shape[1], chunk):
+            n_in = np.clip(lens - start, 0, chunk)  # this chunk's tokens per row
+            row_slots = np.where(n_in > 0, slot_arr, -1)
+            logit_index = np.clip(lens - 1 - start, 0, chunk - 1).astype(np.int32)
+            kv_len = kv_bucket(start + chunk, self.max_len)
+            starts = np.full(bb, start, np.int32)
+            logits, ks, vs = _prefill_chunk(
+                self.params,
+                self.cache,
+                toks[:, start : start + chunk],
+                starts,
+                n_in.astype(np.int32),
+                row_slots,
+                logit_index,
+                cfg=self.cfg,
+                kv_len=kv_len,
+            )
+            self.cache = transformer.write_kv(self.cache, ks, vs, row_slots, starts)
+            ends_here = (lens - 1 >= start) & (lens - 1 < start + chunk)
+            last = logits if last is None else jnp.where(ends_here[:, None], logits, last)
+        for s, n in zip(slots, lens[:b], strict=True):
+            self.cache_lens[s] = n
+        return last[:b]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kv_len"))
+def _prefill_chunk(params, cache, tokens, starts, n_in, slots, logit_index, *, cfg, kv_len):
+    """One causal chunk per row at cache offset `starts` (cache read only).
+
+    Returns logits f32[B, V] at logit_index and the chunk's K/V [L, B, C, K, hd].
+    """
+    c = tokens.shape[1]
+    positions = starts[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
+    mask = transformer.causal_block_mask(n_in, c)
+    logits, ks, vs = transformer.block_logits_kv(
+        params, cache, tokens, positions, mask, slots, starts, logit_index, cfg=cfg, kv_len=kv_len
+    )
+    return logits[:, 0], ks, vs
+
+
+def bucket(n: int, cap: int) -> int:
+    """Smallest power of two >= n, at most max(cap, n)."""
+    p = 1
+    while p < n:
+        p *= 2
+    return min(p, max(cap, n))
+
+
+def kv_bucket(needed: int, max_len: int, floor: int = 128) -> int:
+    """Cache positions a call reads: a power of two >= needed (>= floor), at most max_len.
+
+    Few distinct values, so few compiled variants; short contexts read little.
+    """
+    return min(bucket(max(needed, floor), max_len), max_len)

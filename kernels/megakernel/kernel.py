@@ -1,0 +1,759 @@
+"""Verify megakernel: the target's whole verify step as one Pallas TPU program.
+
+Same arguments and result as `reference.verify` (read its docstring first), plus
+`block_sizes` and `interpret`. One `pallas_call` runs every layer, the LM head and
+the greedy acceptance for a batch of B token trees; tiny XLA ops around it build the
+verify block (embedding rows, RoPE tables, masks) and, only when some row samples,
+apply the stochastic rule to the logits the kernel wrote.
+
+Rows. Sequence b owns rows `[b * Np, (b + 1) * Np)` of every activation: the root,
+its N nodes, then padding up to `Np` = N + 1 rounded up to the sublane tile (8 rows
+for f32 weights, 16 for bf16), so every per-sequence slice is tile-aligned. All B * Np
+rows share each streamed weight tile, which is what makes verification cheap: the
+weights are read once per step, not once per token.
+
+Weight streaming: a manual DMA ring, not a grid. All weights stay in HBM
+(`memory_space=pl.ANY`); wq / wk / wv and the LM head are cut into column tiles
+(whole heads for the projections), wo into row tiles of whole heads (so the
+head-major attention output needs no relayout: `x += sum_h attn_h @ wo_h`), and the
+MLP into intermediate-column tiles that carry the matching w_gate and w_up columns
+and w_down rows, so one fused step computes `x += (silu(h @ g_j) * (h @ u_j)) @ d_j`.
+Every stream owns a two-slot VMEM buffer and a DMA semaphore per slot. The order of
+tiles in a step is fixed:
+
+    layer 0: qkv_0 .. qkv_{nq+2nk-1} | attention | o_0 .. o_{no-1} | mlp_0 .. mlp_{nf-1}
+    layer 1: ...
+    LM head: head_0 .. head_{nv-1} [head tail]
+
+and while tile t computes, tile t + 1 is in flight, across stream boundaries too:
+the last qkv tile starts o_0 (so wo arrives during attention), the last o tile
+starts mlp_0, and the last MLP tile of layer l starts qkv_0 of layer l + 1 (or the
+first LM-head tile), so the HBM queue never drains at a layer boundary. A grid over
+layers with BlockSpec pipelining would prefetch only whole layers, and one Qwen3-8B
+layer (~370 MiB of bf16 weights) is six times TPU7x's VMEM.
+
+Attention, per sequence and KV head: the G = H / K query heads of the group are
+stacked on sublanes ([G * Np, hd]); the block part (root + nodes under the ancestor
+mask, K/V from this step) seeds an online softmax, then committed KV tiles of
+`kv_rows` positions stream in from the cache by double-buffered DMA (only
+`ceil(cache_len / kv_rows)` of them). The block's K/V are then written to the cache
+(aliased in place): directly for f32 caches; for 16-bit caches, whose HBM slices must
+be 16-row aligned, by rewriting the aligned window around them (`tuning.kv_write_rows`).
+
+LM head: vocabulary tiles stream like the weights; each tile's logits go back to HBM
+by DMA while a running (max, argmax) per row is kept (ties to the lowest id, exactly
+`jnp.argmax`). The greedy walk then runs in-kernel, vectorised over the tree: a node
+is a hit if its token is the argmax at its parent, chosen if no earlier sibling is a
+hit, and on the accepted path if it and all its ancestors are chosen.
+
+Sampling rows: the top-k / top-p filters need a vocabulary sort, which Mosaic does
+not lower, so the stochastic rule runs in XLA on the logits the kernel emitted
+(`reference.finish_verdict`, same uniforms, skipped entirely when every row is
+greedy). The embedding gather is also XLA's: a bf16 row at an arbitrary row offset is
+not a legal Mosaic DMA, and it is B * Np rows.
+
+Not covered: MoE targets (use the XLA path). KV writes need
+`cache_lens[b] + N + 1 <= max_len` for active rows (the target worker sizes its
+cache so); rows beyond it get no K/V written.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from specdec.kernels import transformer
+from specdec.kernels.config import ModelConfig
+from specdec.kernels.megakernel import tuning
+from specdec.kernels.megakernel.reference import VerifyResult, finish_verdict, tree_block
+from specdec.kernels.megakernel.tuning import BlockSizes
+from specdec.kernels.transformer import KVCache, Params
+from specdec.verify import masks
+from specdec.verify.acceptance import Verdict
+from specdec.verify.batch import SamplingBatch
+from specdec.verify.tree import ChildSampling
+
+__all__ = ["verify"]
+
+_NEG = -1e30  # finite "minus infinity" (the reference's), so masked rows stay NaN-free
+_BIG = 2**30  # larger than any token id
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "child_sampling", "block_sizes", "interpret"),
+    donate_argnames=("cache",),
+)
+def verify(
+    params: Params,
+    cache: KVCache,
+    roots: jax.Array,  # i32[B]
+    tokens: jax.Array,  # i32[B, N]
+    parents: jax.Array,  # i32[B, N], -1 = child of root, < -1 = padding
+    draft_probs: jax.Array | None,  # f32[B, N + 1, V] q per node; None for top-k / n-gram trees
+    slots: jax.Array,  # i32[B], -1 = inactive row (nothing written)
+    cache_lens: jax.Array,  # i32[B] committed tokens in the cache (the root is not)
+    sampling: SamplingBatch,
+    uniforms: jax.Array,  # f32[B, N + 1] in [0, 1), e.g. sampling.uniforms(N + 1)
+    *,
+    cfg: ModelConfig,
+    child_sampling: ChildSampling,
+    block_sizes: BlockSizes | None = None,  # None = tuning.default_block_sizes
+    interpret: bool | pltpu.InterpretParams = False,  # True / InterpretParams: run on CPU
+) -> VerifyResult:
+    """`reference.verify` as one Pallas kernel (module docstring)."""
+    _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, uniforms, cfg)
+    b, n = tokens.shape
+    wdtype = params["layers"]["wq"].dtype
+    if block_sizes is None:
+        block_sizes = tuning.default_block_sizes(
+            cfg, batch=b, num_nodes=n, weight_dtype=wdtype, cache_dtype=cache.k.dtype,
+            max_len=cache.max_len,
+        )  # fmt: skip
+    block_sizes.validate(cfg, max_len=cache.max_len, tpu=not interpret)
+    logits, greedy, cache = _verify_call(
+        params, cache, roots, tokens, parents, slots, cache_lens,
+        cfg=cfg, bs=block_sizes, interpret=interpret,
+    )  # fmt: skip
+    verdict = finish_verdict(
+        greedy, tokens, parents, logits, draft_probs, sampling, uniforms, child_sampling
+    )
+    return VerifyResult(*verdict, logits, cache)
+
+
+def _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, uniforms, cfg):
+    """Trace-time shape and dtype checks (values are the caller's contract)."""
+    if cfg.is_moe:
+        raise ValueError(
+            f"The verify megakernel covers dense models only; {cfg.architecture} with "
+            f"{cfg.num_experts} experts must use kernel='xla'."
+        )
+    if not isinstance(params["layers"], dict):
+        raise ValueError(
+            "The megakernel streams stacked layer weights (params['layers'] leaves [L, ...]); "
+            "got per-layer params (transformer.unstack_layers): keep the stacked copy."
+        )
+    if tokens.ndim != 2 or parents.shape != tokens.shape:
+        raise ValueError(
+            f"tokens and parents must both be [B, N], got {tokens.shape} and {parents.shape}."
+        )
+    b, n = tokens.shape
+    for name, arr, shape in (
+        ("roots", roots, (b,)),
+        ("slots", slots, (b,)),
+        ("cache_lens", cache_lens, (b,)),
+        ("uniforms", uniforms, (b, n + 1)),
+    ):
+        if arr.shape != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {arr.shape}.")
+    expect = (cfg.num_layers, cache.num_slots, cfg.num_kv_heads, cache.max_len, cfg.head_dim)
+    if cache.k.shape != expect or cache.v.shape != cache.k.shape:
+        raise ValueError(
+            f"cache.k and cache.v must have shape {expect}, got {cache.k.shape} and "
+            f"{cache.v.shape}."
+        )
+    if cache.k.dtype.itemsize not in (2, 4) or cache.v.dtype != cache.k.dtype:
+        raise ValueError(f"The cache must be float32 or a 16-bit float, got {cache.k.dtype}.")
+    align = tuning.sublane_tile(cache.k.dtype)
+    if cache.max_len % align:
+        raise ValueError(
+            f"The cache length ({cache.max_len}) must be a multiple of {align} for "
+            f"{cache.k.dtype} caches."
+        )
+    window = tuning.kv_write_rows(n, cache.k.dtype)
+    if cache.max_len < window:
+        raise ValueError(
+            f"The cache length ({cache.max_len}) must be at least {window} for {n} tree nodes."
+        )
+    lp = params["layers"]
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    streamed = {name: lp[name] for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+    for name, w in (streamed | {"LM head": head}).items():
+        if w.dtype != lp["wq"].dtype:
+            raise ValueError(
+                f"Streamed weights must share one dtype; {name} is {w.dtype}, wq is "
+                f"{lp['wq'].dtype}."
+            )
+
+
+def _verify_call(params, cache, roots, tokens, parents, slots, cache_lens, *, cfg, bs, interpret):
+    """Builds the kernel operands, runs the pallas_call, unpacks logits and verdict."""
+    b, n = tokens.shape
+    lp = params["layers"]
+    wdtype, cdtype = lp["wq"].dtype, cache.k.dtype
+    np_ = tuning.block_rows(n, wdtype)
+    m, n1 = b * np_, n + 1
+    d, hd, L, v = cfg.hidden_size, cfg.head_dim, cfg.num_layers, cfg.vocab_size
+    f32, i32 = jnp.float32, jnp.int32
+
+    # ---- the verify block, padded to Np rows per sequence
+    block, positions, anc = tree_block(roots, tokens, parents, cache_lens)
+    pad = np_ - n1
+    block = jnp.pad(block, ((0, 0), (0, pad)))
+    positions = jnp.pad(positions, ((0, 0), (0, pad)), mode="edge")
+    anc = jnp.pad(anc, ((0, 0), (0, pad), (0, pad))) | jnp.eye(np_, dtype=bool)[None]
+    attn_mask = anc
+    if cfg.sliding_window is not None:
+        attn_mask = anc & (positions[:, :, None] - positions[:, None, :] < cfg.sliding_window)
+    # RoPE tables for a proj_cols-wide tile holding whole heads (period head_dim).
+    inv_freq = jnp.asarray(transformer.rope_inv_freq(cfg))
+    freqs = positions.reshape(m).astype(f32)[:, None] * inv_freq  # [M, hd/2]
+    lane = np.arange(bs.proj_cols) % hd
+    first = lane < hd // 2
+    freq_idx = np.where(first, lane, lane - hd // 2)
+    cos = jnp.cos(freqs)[:, freq_idx]
+    sin = jnp.where(first, -jnp.sin(freqs)[:, freq_idx], jnp.sin(freqs)[:, freq_idx])
+    # Per-row tree facts for the greedy walk (block index space: root = 0, node i = i + 1).
+    valid = jnp.pad(
+        jnp.concatenate([jnp.zeros((b, 1), bool), parents >= -1], 1), ((0, 0), (0, pad))
+    )
+    par = jnp.concatenate([jnp.full((b, 1), -1, i32), jnp.where(parents >= -1, parents + 1, -1)], 1)
+    par = jnp.pad(par, ((0, 0), (0, pad)), constant_values=-1)
+    depth = jnp.pad(
+        jnp.concatenate([jnp.zeros((b, 1), i32), masks.depths(parents).astype(i32)], 1),
+        ((0, 0), (0, pad)),
+    )
+    tree_cols = jnp.stack([block, par, valid.astype(i32), depth], axis=-1).reshape(m, 4)
+    tree_rows = jnp.stack([par, valid.astype(i32)], axis=1)  # [B, 2, Np]
+
+    vmem_in = {
+        "x0": params["embed"][block].astype(f32).reshape(m, d),
+        "cos": cos,
+        "sin": sin,
+        "qpos": positions.reshape(m, 1).astype(i32),
+        "attn_mask": attn_mask.astype(i32),
+        "anc_mask": anc.astype(i32),
+        "tree_cols": tree_cols.astype(i32),
+        "tree_rows": tree_rows.astype(i32),
+        "attn_norm": lp["attn_norm"].astype(f32),
+        "mlp_norm": lp["mlp_norm"].astype(f32),
+        "final_norm": params["final_norm"].astype(f32).reshape(1, d),
+    }
+    if cfg.attention_bias:
+        tp = bs.proj_cols
+        vmem_in |= {name: lp[name].astype(f32).reshape(L, -1, tp) for name in ("bq", "bk", "bv")}
+    if cfg.qk_norm:
+        vmem_in |= {name: lp[name].astype(f32) for name in ("q_norm", "k_norm")}
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    hbm_in = {
+        "wq": lp["wq"], "wk": lp["wk"], "wv": lp["wv"], "wo": lp["wo"],
+        "w_gate": lp["w_gate"], "w_up": lp["w_up"], "w_down": lp["w_down"], "head": head,
+    }  # fmt: skip
+
+    buffers = tuning.vmem_buffers(
+        cfg, bs, batch=b, num_nodes=n, weight_dtype=wdtype, cache_dtype=cdtype
+    )
+    planned = {buf.name: buf for buf in buffers}
+    for name, arr in vmem_in.items():  # the VMEM estimate must describe what we pass
+        assert planned[name].shape == arr.shape, (name, planned[name].shape, arr.shape)
+    scratch = [pltpu.VMEM(buf.shape, buf.dtype) for buf in buffers if buf.kind == "scratch"]
+    sems = [
+        pltpu.SemaphoreType.DMA((2,)),  # qkv
+        pltpu.SemaphoreType.DMA((2,)),  # o
+        pltpu.SemaphoreType.DMA((3, 2)),  # mlp: gate, up, down
+        pltpu.SemaphoreType.DMA((2,)),  # LM head
+        pltpu.SemaphoreType.DMA((2,)),  # logits out
+        pltpu.SemaphoreType.DMA((2, 2)),  # KV tiles: k / v x slot
+        pltpu.SemaphoreType.DMA((2,)),  # KV writes: k / v
+    ]
+    names = (
+        ["slots_ref", "lens_ref"]
+        + [f"{name}_ref" for name in vmem_in]
+        + [f"{name}_hbm" for name in hbm_in]
+        + ["k_in_hbm", "v_in_hbm"]
+        + ["logits_hbm", "verdict_ref", "k_hbm", "v_hbm"]
+        + [f"{buf.name}_ref" for buf in buffers if buf.kind == "scratch"]
+        + ["qkv_sem", "o_sem", "mlp_sem", "head_sem", "out_sem", "kv_sem", "wr_sem"]
+    )
+    plan = SimpleNamespace(
+        cfg=cfg, bs=bs, B=b, N1=n1, Np=np_, M=m, D=d, H=cfg.num_heads, K=cfg.num_kv_heads,
+        G=cfg.q_per_kv, hd=hd, L=L, V=v, T=cache.max_len, wdtype=wdtype, cdtype=cdtype,
+        rmw_rows=tuning.kv_write_rows(n, cdtype),
+    )  # fmt: skip
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    n_in = len(vmem_in) + len(hbm_in)
+    out_shape = (
+        jax.ShapeDtypeStruct((m, v), f32),
+        jax.ShapeDtypeStruct((b, 8, np_), i32),
+        jax.ShapeDtypeStruct(cache.k.shape, cdtype),
+        jax.ShapeDtypeStruct(cache.v.shape, cdtype),
+    )
+    call = pl.pallas_call(
+        functools.partial(_kernel, p=plan, names=names),
+        out_shape=out_shape,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(1,),
+            in_specs=[vmem] * len(vmem_in) + [hbm] * (len(hbm_in) + 2),
+            out_specs=[hbm, vmem, hbm, hbm],
+            scratch_shapes=scratch + sems,
+        ),
+        # Operand indices count the two scalar-prefetch operands.
+        input_output_aliases={2 + n_in: 2, 3 + n_in: 3},
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",), vmem_limit_bytes=bs.vmem_limit_bytes
+        ),
+        cost_estimate=_cost(cfg, params, cache, m),
+        interpret=interpret,
+        name="verify_megakernel",
+    )
+    row_lens = jnp.where(slots >= 0, cache_lens, 0).astype(i32)
+    logits, verdict, k_cache, v_cache = call(
+        slots.astype(i32), row_lens, *vmem_in.values(), *hbm_in.values(), cache.k, cache.v
+    )
+    logits = logits.reshape(b, np_, v)[:, :n1]
+    greedy = Verdict(verdict[:, 0, :n], verdict[:, 1, 0], verdict[:, 2, 0])
+    return logits, greedy, KVCache(k=k_cache, v=v_cache)
+
+
+def _cost(cfg: ModelConfig, params, cache: KVCache, rows: int) -> pl.CostEstimate:
+    """Matmul flops and HBM bytes (all weights + the whole cache as an upper bound)."""
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    kv_bytes = 2 * cache.k.size * cache.k.dtype.itemsize
+    flops = 2 * rows * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size)
+    return pl.CostEstimate(
+        flops=int(flops), transcendentals=int(rows * cfg.vocab_size),
+        bytes_accessed=int(weight_bytes + kv_bytes),
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _aligned(x, m):
+    """pl.multiple_of for traced offsets; static ones need no hint."""
+    return x if isinstance(x, int) else pl.multiple_of(x, m)
+
+
+def _dot(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _dot_nt(a, b):
+    """a [m, k] @ b[n, k].T with f32 accumulation."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _rms(x, w, eps):
+    """x f32[r, c] normalised over its last axis, times w f32[1, c]."""
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _iota(shape, axis):
+    return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def _start(copies):
+    for c in copies:
+        c.start()
+
+
+def _wait(copies):
+    for c in copies:
+        c.wait()
+
+
+def _stream(n, offset, copies, after, body, init=0):
+    """A fori_loop over n streamed tiles; tile j sits in buffer slot (offset + j) % 2.
+
+    While tile j computes, tile j + 1 is in flight; the last tile starts `after()`, the
+    first tile of the next stream, so the DMA queue never drains between streams.
+    `copies(j, slot)` lists tile j's DMAs; `body(j, slot, carry)` consumes them.
+    """
+
+    def step(j, carry):
+        slot = jax.lax.rem(j + offset, 2)  # lax ops: jnp's // and % ask for a chip
+
+        @pl.when(j + 1 < n)
+        def _():
+            _start(copies(j + 1, 1 - slot))
+
+        @pl.when(j + 1 == n)
+        def _():
+            after()
+
+        _wait(copies(j, slot))
+        return body(j, slot, carry)
+
+    return jax.lax.fori_loop(0, n, step, init)
+
+
+def _kernel(*refs, p, names):
+    """The whole verify step; `names` labels `refs` (see `_verify_call`)."""
+    r = SimpleNamespace(**dict(zip(names, refs, strict=True)))
+    cfg, bs = p.cfg, p.bs
+    tp, to, tf, tv = bs.proj_cols, bs.out_rows, bs.mlp_cols, bs.vocab_cols
+    nq, nk = p.H * p.hd // tp, p.K * p.hd // tp
+    no, nf = p.H * p.hd // to, cfg.intermediate_size // tf
+    nv, v_tail = p.V // tv, p.V % tv
+    eps = cfg.rms_norm_eps
+
+    # ---- weight tiles: the DMA descriptors of tile j in buffer slot `slot`
+    def proj_copies(name, li):
+        hbm = getattr(r, f"{name}_hbm")
+
+        def copies(j, slot):
+            src = hbm.at[li, :, pl.ds(_aligned(j * tp, tp), tp)]
+            return (pltpu.make_async_copy(src, r.qkv_buf_ref.at[slot], r.qkv_sem.at[slot]),)
+
+        return copies
+
+    def o_copies(li):
+        def copies(j, slot):
+            src = r.wo_hbm.at[li, pl.ds(_aligned(j * to, to), to), :]
+            return (pltpu.make_async_copy(src, r.o_buf_ref.at[slot], r.o_sem.at[slot]),)
+
+        return copies
+
+    def mlp_copies(li):
+        def copies(j, slot):
+            col = pl.ds(_aligned(j * tf, tf), tf)
+            return (
+                pltpu.make_async_copy(
+                    r.w_gate_hbm.at[li, :, col], r.gate_buf_ref.at[slot], r.mlp_sem.at[0, slot]
+                ),
+                pltpu.make_async_copy(
+                    r.w_up_hbm.at[li, :, col], r.up_buf_ref.at[slot], r.mlp_sem.at[1, slot]
+                ),
+                pltpu.make_async_copy(
+                    r.w_down_hbm.at[li, col, :], r.down_buf_ref.at[slot], r.mlp_sem.at[2, slot]
+                ),
+            )
+
+        return copies
+
+    def head_copies(width):
+        def copies(j, slot):
+            col = pl.ds(_aligned(j * tv, tv), width)
+            if cfg.tie_word_embeddings:  # embed [V, D]: row tiles
+                src, dst = r.head_hbm.at[col, :], r.head_buf_ref.at[slot, pl.ds(0, width), :]
+            else:  # lm_head [D, V]: column tiles
+                src, dst = r.head_hbm.at[:, col], r.head_buf_ref.at[slot, :, pl.ds(0, width)]
+            return (pltpu.make_async_copy(src, dst, r.head_sem.at[slot]),)
+
+        return copies
+
+    # ---- one decoder layer
+    def layer(li, carry):
+        r.h_ref[...] = _rms(r.x_ref[...], r.attn_norm_ref[pl.ds(li, 1), :], eps).astype(p.wdtype)
+        qkv = [("q", nq), ("k", nk), ("v", nk)]
+        offset = 0
+        for idx, (name, n) in enumerate(qkv):
+            if idx + 1 < len(qkv):
+                nxt, nxt_off = proj_copies(f"w{qkv[idx + 1][0]}", li), offset + n
+                after = functools.partial(lambda c, o: _start(c(0, o % 2)), nxt, nxt_off)
+            else:
+                after = functools.partial(lambda c: _start(c(0, 0)), o_copies(li))
+            body = functools.partial(_project, r, p, li, name)
+            _stream(n, offset, proj_copies(f"w{name}", li), after, body)
+            offset += n
+
+        jax.lax.fori_loop(0, p.B, functools.partial(_attend_row, r, p, li), 0)
+
+        def o_tile(j, slot, c):
+            # Row tile j of wo covers heads [j * hpt, (j + 1) * hpt): x += sum_h attn_h @ wo_h.
+            hpt = to // p.hd
+            acc = r.x_ref[...]
+            for t in range(hpt):
+                w = r.o_buf_ref[slot, pl.ds(t * p.hd, p.hd), :]
+                acc = acc + _dot(r.attn_ref[j * hpt + t], w)
+            r.x_ref[...] = acc
+            return c
+
+        _stream(no, 0, o_copies(li), lambda: _start(mlp_copies(li)(0, 0)), o_tile)
+        r.h_ref[...] = _rms(r.x_ref[...], r.mlp_norm_ref[pl.ds(li, 1), :], eps).astype(p.wdtype)
+
+        def next_layer_or_head():
+            @pl.when(li + 1 < p.L)
+            def _():
+                _start(proj_copies("wq", li + 1)(0, 0))
+
+            @pl.when(li + 1 == p.L)
+            def _():
+                _start(head_copies(tv)(0, 0))
+
+        def mlp_tile(j, slot, c):
+            hx = r.h_ref[...]
+            g = _dot(hx, r.gate_buf_ref[slot])
+            u = _dot(hx, r.up_buf_ref[slot])
+            a = (g * jax.nn.sigmoid(g) * u).astype(p.wdtype)
+            r.x_ref[...] = r.x_ref[...] + _dot(a, r.down_buf_ref[slot])
+            return c
+
+        _stream(nf, 0, mlp_copies(li), next_layer_or_head, mlp_tile)
+        return carry
+
+    r.x_ref[...] = r.x0_ref[...]
+    _start(proj_copies("wq", 0)(0, 0))
+    jax.lax.fori_loop(0, p.L, layer, 0)
+
+    # ---- LM head over vocabulary tiles, running (max, argmax) per row
+    r.h_ref[...] = _rms(r.x_ref[...], r.final_norm_ref[...], eps).astype(p.wdtype)
+
+    def out_copy(j, slot, width):
+        col = pl.ds(_aligned(j * tv, tv), width)
+        return pltpu.make_async_copy(
+            r.logits_buf_ref.at[slot, :, pl.ds(0, width)],
+            r.logits_hbm.at[:, col],
+            r.out_sem.at[slot],
+        )
+
+    def head_tile(width):
+        def body(j, slot, carry):
+            mx, am = carry
+            if cfg.tie_word_embeddings:
+                y = _dot_nt(r.h_ref[...], r.head_buf_ref[slot, pl.ds(0, width), :])
+            else:
+                y = _dot(r.h_ref[...], r.head_buf_ref[slot, :, pl.ds(0, width)])
+
+            @pl.when(j >= 2)  # the staging slot is free once tile j - 2 reached HBM
+            def _():
+                out_copy(j - 2, slot, tv).wait()
+
+            r.logits_buf_ref[slot, :, pl.ds(0, width)] = y
+            out_copy(j, slot, width).start()
+            tile_max = jnp.max(y, axis=1, keepdims=True)
+            ids = _iota(y.shape, 1) + j * tv
+            tile_arg = jnp.min(jnp.where(y == tile_max, ids, _BIG), axis=1, keepdims=True)
+            better = tile_max > mx  # strict: an earlier tile keeps a tie (lowest id)
+            return jnp.where(better, tile_max, mx), jnp.where(better, tile_arg, am)
+
+        return body
+
+    after = (lambda: _start(head_copies(v_tail)(nv, nv % 2))) if v_tail else (lambda: None)
+    init = (jnp.full((p.M, 1), -jnp.inf, jnp.float32), jnp.zeros((p.M, 1), jnp.int32))
+    carry = _stream(nv, 0, head_copies(tv), after, head_tile(tv), init)
+    widths = [tv] * nv
+    if v_tail:
+        _wait(head_copies(v_tail)(nv, nv % 2))
+        carry = head_tile(v_tail)(nv, nv % 2, carry)
+        widths.append(v_tail)
+    for j in range(max(0, len(widths) - 2), len(widths)):  # the copies still in flight
+        out_copy(j, j % 2, widths[j]).wait()
+    r.argmax_ref[...] = carry[1]
+
+    jax.lax.fori_loop(0, p.B, functools.partial(_greedy_row, r, p), 0)
+
+
+def _project(r, p, li, name, j, slot, carry):
+    """qkv tile j of `name` ("q", "k" or "v"): bias, q/k norm, RoPE; stores it head-major."""
+    cfg, tp, hd = p.cfg, p.bs.proj_cols, p.hd
+    y = _dot(r.h_ref[...], r.qkv_buf_ref[slot])  # [M, tp]
+    if cfg.attention_bias:  # b{name} is f32[L, tiles, tp]
+        y = y + getattr(r, f"b{name}_ref")[li, pl.ds(j, 1), :]
+    hpt = tp // hd
+    heads = [y[:, t * hd : (t + 1) * hd] for t in range(hpt)]
+    if name != "v":
+        if cfg.qk_norm:
+            w = getattr(r, f"{name}_norm_ref")[pl.ds(li, 1), :]
+            heads = [_rms(x, w, cfg.rms_norm_eps) for x in heads]
+            y = jnp.concatenate(heads, axis=1) if hpt > 1 else heads[0]
+        y = _rope(y, r.cos_ref[...], r.sin_ref[...], hd)
+        heads = [y[:, t * hd : (t + 1) * hd] for t in range(hpt)]
+    dst = getattr(r, f"{name}_ref")
+    for t, x in enumerate(heads):
+        dst[j * hpt + t] = x
+    return carry
+
+
+def _rope(y, cos, sin, hd):
+    """Rotate-half RoPE on whole heads laid side by side: y, cos, sin f32[M, tp].
+
+    Lane c of a head pairs with c + hd/2 (first half) or c - hd/2 (second half); two
+    lane rotations fetch both partners and `sin` carries the sign (-sin, then +sin).
+    """
+    width, half = y.shape[1], hd // 2
+    ahead = pltpu.roll(y, width - half, 1)  # y[c + half]
+    behind = pltpu.roll(y, half, 1)  # y[c - half]
+    partner = jnp.where(jax.lax.rem(_iota(y.shape, 1), hd) < half, ahead, behind)
+    return y * cos + partner * sin
+
+
+def _attend_row(r, p, li, b, carry):
+    """Attention of sequence b in layer `li`, one KV head at a time; writes its block K/V."""
+    np_, g_, hd = p.Np, p.G, p.hd
+    row0 = pl.multiple_of(b * np_, 8)
+    slot = r.slots_ref[b]
+    length = r.lens_ref[b]  # 0 for inactive rows
+    mask = r.attn_mask_ref[b] > 0  # [Np, Np]
+    mask = jnp.concatenate([mask] * g_, axis=0) if g_ > 1 else mask
+    qpos = r.qpos_ref[pl.ds(row0, np_), :]
+    qpos = jnp.concatenate([qpos] * g_, axis=0) if g_ > 1 else qpos
+    scale = 1.0 / math.sqrt(hd)
+
+    def head(g, c):
+        heads = pl.ds(g * g_, g_)
+        q = r.q_ref[heads, pl.ds(row0, np_), :].reshape(g_ * np_, hd) * scale
+        s = jnp.where(mask, _dot_nt(q, r.k_ref[g, pl.ds(row0, np_), :]), _NEG)
+        m = jnp.max(s, axis=1, keepdims=True)  # finite: every row sees itself
+        e = jnp.exp(s - m)
+        acc = _dot(e, r.v_ref[g, pl.ds(row0, np_), :])
+        init = (m, jnp.sum(e, axis=1, keepdims=True), acc)
+        _, lsum, acc = _attend_cache(r, p, li, g, jnp.maximum(slot, 0), length, q, qpos, init)
+        out = acc / lsum
+        r.attn_ref[heads, pl.ds(row0, np_), :] = out.reshape(g_, np_, hd).astype(p.wdtype)
+        _write_block_kv(r, p, li, g, row0, slot, length)
+        return c
+
+    return jax.lax.fori_loop(0, p.K, head, carry)
+
+
+def _attend_cache(r, p, li, g, slot, length, q, qpos, carry):
+    """Online softmax over the committed KV of (slot, head g): ceil(length / kv_rows) tiles."""
+    tkv, t_len = p.bs.kv_rows, p.T
+    n_tiles = jax.lax.div(length + tkv - 1, tkv)  # lax ops: jnp's // and % need a chip
+    window = p.cfg.sliding_window
+
+    def tile_start(t):
+        # The last tile may slide back to stay inside the cache; `t * tkv` still bounds it.
+        start = jnp.minimum(t * tkv, t_len - tkv)
+        return pl.multiple_of(start, 16) if tkv % 16 == 0 and t_len % 16 == 0 else start
+
+    def copies(t, s):
+        rows = pl.ds(tile_start(t), tkv)
+        return (
+            pltpu.make_async_copy(
+                r.k_hbm.at[li, slot, g, rows, :], r.kbuf_ref.at[s], r.kv_sem.at[0, s]
+            ),
+            pltpu.make_async_copy(
+                r.v_hbm.at[li, slot, g, rows, :], r.vbuf_ref.at[s], r.kv_sem.at[1, s]
+            ),
+        )
+
+    @pl.when(n_tiles > 0)
+    def _():
+        for c in copies(0, 0):
+            c.start()
+
+    def body(t, carry):
+        m, lsum, acc = carry
+        s = jax.lax.rem(t, 2)
+
+        @pl.when(t + 1 < n_tiles)
+        def _():
+            for c in copies(t + 1, 1 - s):
+                c.start()
+
+        for c in copies(t, s):
+            c.wait()
+        start = tile_start(t)
+        pos_col = start + _iota((tkv, 1), 0)
+        live_col = (pos_col >= t * tkv) & (pos_col < length)
+        # Zero dead rows: unused cache slots may hold NaN, and 0 * NaN is NaN.
+        k = jnp.where(live_col, r.kbuf_ref[s].astype(jnp.float32), 0.0)
+        v = jnp.where(live_col, r.vbuf_ref[s].astype(jnp.float32), 0.0)
+        pos_row = start + _iota((1, tkv), 1)
+        live = (pos_row >= t * tkv) & (pos_row < length)
+        if window is not None:
+            live = live & (qpos - pos_row < window)
+        sc = jnp.where(live, _dot_nt(q, k), _NEG)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1, keepdims=True))
+        alpha = jnp.exp(m - m_new)
+        e = jnp.exp(sc - m_new)
+        lsum = alpha * lsum + jnp.sum(e, axis=1, keepdims=True)
+        return m_new, lsum, alpha * acc + _dot(e, v)
+
+    return jax.lax.fori_loop(0, n_tiles, body, carry)
+
+
+def _write_block_kv(r, p, li, g, row0, slot, length):
+    """Writes the block's K/V of head g to cache positions [length, length + N + 1)."""
+    n1, t_len = p.N1, p.T
+
+    @pl.when((slot >= 0) & (length + n1 <= t_len))
+    def _():
+        for i, (src, dst) in enumerate(((r.k_ref, r.k_hbm), (r.v_ref, r.v_hbm))):
+            if np.dtype(p.cdtype).itemsize >= 4:  # 32-bit rows: any offset is a legal DMA
+                cp = pltpu.make_async_copy(
+                    src.at[g, pl.ds(row0, n1), :],
+                    dst.at[li, slot, g, pl.ds(length, n1), :],
+                    r.wr_sem.at[i],
+                )
+                cp.start()
+                cp.wait()
+            else:
+                _write_rows_aligned(r, p, src, dst.at[li, slot, g], g, row0, length, i)
+
+
+def _write_rows_aligned(r, p, src, dst, g, row0, length, i):
+    """16-bit caches: rewrite the 16-row-aligned window around the N + 1 new rows.
+
+    The new rows are shifted to their offset inside the window by a one-hot matmul
+    (exact: one non-zero product per output), then merged with the window's old rows.
+    """
+    w, n1, np_ = p.rmw_rows, p.N1, p.Np
+    align = tuning.sublane_tile(p.cdtype)
+    start = pl.multiple_of(jnp.minimum(length - jax.lax.rem(length, align), p.T - w), align)
+    offset = length - start
+    window = dst.at[pl.ds(start, w), :]
+    read = pltpu.make_async_copy(window, r.rmw_buf_ref, r.wr_sem.at[i])
+    read.start()
+    read.wait()
+    new = src[g, pl.ds(row0, np_), :].astype(p.cdtype)  # [Np, hd]
+    rows, cols = _iota((w, np_), 0), _iota((w, np_), 1)
+    shift = ((rows == cols + offset) & (cols < n1)).astype(p.cdtype)
+    shifted = _dot(shift, new)  # [W, hd]
+    row = _iota((w, 1), 0)
+    take = (row >= offset) & (row < offset + n1)
+    old = r.rmw_buf_ref[...].astype(jnp.float32)
+    r.rmw_buf_ref[...] = jnp.where(take, shifted, old).astype(p.cdtype)
+    write = pltpu.make_async_copy(r.rmw_buf_ref, window, r.wr_sem.at[i])
+    write.start()
+    write.wait()
+
+
+def _greedy_row(r, p, b, carry):
+    """Greedy acceptance for sequence b, vectorised over its tree (module docstring).
+
+    Writes verdict[b]: row 0 = accepted nodes by depth (-1 padded), row 1 = their
+    count, row 2 = the bonus token (rows 1 and 2 broadcast along lanes).
+    """
+    np_ = p.Np
+    row0 = pl.multiple_of(b * np_, 8)
+    am = r.argmax_ref[pl.ds(row0, np_), :]  # [Np, 1] target argmax per block row
+    cols = r.tree_cols_ref[pl.ds(row0, np_), :]
+    tok, par, valid, depth = (cols[:, c : c + 1] for c in range(4))
+    rows_ = r.tree_rows_ref[b]  # [2, Np]
+    par_row, valid_row = rows_[0:1], rows_[1:2]
+    ri, ci = _iota((np_, np_), 0), _iota((np_, np_), 1)
+    eye = ri == ci
+
+    def to_row(col):  # [Np, 1] -> [1, Np]
+        return jnp.sum(jnp.where(eye, col, 0), axis=0, keepdims=True)
+
+    am_at_parent = jnp.sum(jnp.where(par == ci, to_row(am), 0), axis=1, keepdims=True)
+    hit = jnp.where((valid > 0) & (tok == am_at_parent), 1, 0)
+    earlier_hit = (par == par_row) & (ci < ri) & (valid_row > 0) & (to_row(hit) > 0)
+    chosen = jnp.where(
+        (hit > 0) & (jnp.max(jnp.where(earlier_hit, 1, 0), axis=1, keepdims=True) == 0), 1, 0
+    )
+    anc = r.anc_mask_ref[b] > 0
+    broken = jnp.max(
+        jnp.where(anc & (ci >= 1) & (to_row(chosen) == 0), 1, 0), axis=1, keepdims=True
+    )
+    on_path = (valid > 0) & (broken == 0)  # [Np, 1]
+    num = jnp.sum(jnp.where(on_path, 1, 0), axis=0, keepdims=True)  # [1, 1]
+    at_depth = on_path & (depth == ci + 1)  # [Np, Np]: lane d holds the node at depth d + 1
+    nodes = jnp.sum(jnp.where(at_depth, ri - 1, 0), axis=0, keepdims=True)
+    found = jnp.max(jnp.where(at_depth, 1, 0), axis=0, keepdims=True)
+    nodes = jnp.where(found > 0, nodes, -1)
+    last = (on_path & (depth == num)) | ((_iota((np_, 1), 0) == 0) & (num == 0))
+    bonus = jnp.sum(jnp.where(last, am, 0), axis=0, keepdims=True)
+    r.verdict_ref[b] = jnp.concatenate(
+        [
+            nodes,
+            jnp.broadcast_to(num, (1, np_)),
+            jnp.broadcast_to(bonus, (1, np_)),
+            jnp.zeros((5, np_), jnp.int32),
+        ],
+        axis=0,
+    )
+    return carry

@@ -1,0 +1,321 @@
+"""Block sizes of the verify megakernel, the VMEM they cost, and the chips it targets.
+
+`BlockSizes` says how much of each weight matrix, of the committed KV and of the
+vocabulary one streamed tile holds. `vmem_buffers` lists every VMEM buffer the
+kernel allocates for a given configuration (the kernel builds its scratch from the
+same list, so the estimate is the allocation, not a guess); `default_block_sizes`
+picks the largest tiles whose buffers fit a VMEM budget.
+
+Worked example (Qwen3-8B shape, bf16, one sequence with a 64-node tree, so
+`rows = 80`): `proj_cols = out_rows = 512`, `mlp_cols = 256`, `vocab_cols = 1024`,
+`kv_rows = 512` stream 4 MiB tiles of wq/wk/wv/wo, 2 MiB tiles of each of
+w_gate/w_up/w_down and 8 MiB LM-head tiles, double-buffered: 44 MiB of weight
+buffers plus ~9 MiB of activations, inside TPU7x's 64 MiB per TensorCore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from specdec.kernels.config import ModelConfig
+
+MIB = 1024 * 1024
+LANES = 128  # TPU vector lane count: minor dims of streamed tiles are multiples of it
+VMEM_HEADROOM = 3 * MIB  # left free for Mosaic's internal scratch and spills
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """What the roofline and the VMEM budget need to know about one TPU generation."""
+
+    name: str  # topology prefix, e.g. "tpu7x" in "tpu7x:2x2x1"
+    vmem_bytes: int  # VMEM per TensorCore (one JAX device)
+    hbm_bytes_per_s: float  # HBM bandwidth per chip
+    cores_per_chip: int  # TensorCores per chip; on TPU7x each is its own JAX device
+
+
+CHIPS = {
+    "tpu7x": Chip("tpu7x", 64 * MIB, 7.37e12, 2),
+    "v6e": Chip("v6e", 128 * MIB, 1.64e12, 1),
+    "v5e": Chip("v5e", 128 * MIB, 0.82e12, 1),
+}
+
+
+def chip_for_topology(topology: str) -> Chip:
+    """`"tpu7x:2x2x1"` -> CHIPS["tpu7x"]; unknown generations raise ValueError."""
+    name = topology.split(":", 1)[0].lower()
+    if name not in CHIPS:
+        raise ValueError(
+            f"Unknown TPU generation {name!r} in topology {topology!r}; known: {sorted(CHIPS)}."
+        )
+    return CHIPS[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of the streamed operands (all static; a new value recompiles).
+
+    On a real TPU every column count must be a multiple of 128 (the lane width) or the
+    whole dimension; interpret mode accepts any divisor, which lets tiny test models
+    exercise several tiles per matrix.
+    """
+
+    proj_cols: int = 256  # wq / wk / wv columns per tile; divides num_kv_heads * head_dim
+    out_rows: int = 256  # wo rows (whole heads) per tile; divides num_heads * head_dim
+    mlp_cols: int = 256  # intermediate columns per tile (w_gate, w_up cols; w_down rows)
+    vocab_cols: int = 512  # LM-head columns per tile; a shorter last tile covers the rest
+    kv_rows: int = 512  # committed cache positions per attention tile
+    vmem_limit_bytes: int | None = None  # Mosaic's VMEM limit; None = the compiler default
+
+    def __post_init__(self):
+        for field in ("proj_cols", "out_rows", "mlp_cols", "vocab_cols", "kv_rows"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"BlockSizes.{field} must be a positive integer, got {value!r}.")
+        if self.vmem_limit_bytes is not None and self.vmem_limit_bytes < MIB:
+            raise ValueError(
+                f"BlockSizes.vmem_limit_bytes must be at least 1 MiB, got {self.vmem_limit_bytes}."
+            )
+
+    def validate(self, cfg: ModelConfig, *, max_len: int, tpu: bool) -> None:
+        """Raises ValueError unless these tiles fit `cfg` (and TPU layouts when `tpu`)."""
+        hd, kv_cols = cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        rules = [
+            ("proj_cols", kv_cols, f"num_kv_heads * head_dim = {kv_cols}"),
+            ("mlp_cols", cfg.intermediate_size, f"intermediate_size = {cfg.intermediate_size}"),
+        ]
+        q_rows = cfg.num_heads * hd
+        if q_rows % self.out_rows or self.out_rows % hd:
+            raise ValueError(
+                f"BlockSizes.out_rows ({self.out_rows}) must be a multiple of head_dim ({hd}) "
+                f"dividing num_heads * head_dim = {q_rows}."
+            )
+        for field, dim, what in rules:
+            value = getattr(self, field)
+            if dim % value:
+                raise ValueError(f"BlockSizes.{field} ({value}) must divide {what}.")
+            if tpu and value % LANES and value != dim:
+                raise ValueError(
+                    f"BlockSizes.{field} ({value}) must be a multiple of {LANES} on TPU "
+                    f"(or all of {what})."
+                )
+        if tpu and self.proj_cols % LANES:  # wq tiles start at multiples of proj_cols
+            raise ValueError(
+                f"BlockSizes.proj_cols ({self.proj_cols}) must be a multiple of {LANES} on TPU "
+                f"(num_kv_heads * head_dim = {kv_cols}); use kernel='xla' for this model."
+            )
+        if self.proj_cols % hd:
+            raise ValueError(
+                f"BlockSizes.proj_cols ({self.proj_cols}) must be a multiple of head_dim ({hd})."
+            )
+        if self.vocab_cols > cfg.vocab_size:
+            raise ValueError(
+                f"BlockSizes.vocab_cols ({self.vocab_cols}) must be at most vocab_size "
+                f"({cfg.vocab_size})."
+            )
+        if self.kv_rows > max_len:
+            raise ValueError(
+                f"BlockSizes.kv_rows ({self.kv_rows}) must be at most the cache length ({max_len})."
+            )
+        if tpu:
+            if self.vocab_cols % LANES or cfg.vocab_size % LANES:
+                raise ValueError(
+                    f"On TPU BlockSizes.vocab_cols ({self.vocab_cols}) and vocab_size "
+                    f"({cfg.vocab_size}) must be multiples of {LANES}; use kernel='xla'."
+                )
+            if self.kv_rows % 16:
+                raise ValueError(f"BlockSizes.kv_rows ({self.kv_rows}) must be a multiple of 16.")
+
+
+def sublane_tile(dtype) -> int:
+    """Rows of one VMEM tile: 8 for 32-bit, 16 for 16-bit dtypes (TPU packing)."""
+    return 8 * max(1, 4 // np.dtype(dtype).itemsize)
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def block_rows(num_nodes: int, dtype) -> int:
+    """Rows per sequence in the kernel: root + nodes, padded to the sublane tile.
+
+    64 nodes in bf16 -> 65 rows -> 80; 8 nodes in f32 -> 9 -> 16.
+    """
+    return round_up(num_nodes + 1, sublane_tile(dtype))
+
+
+def padded_bytes(shape: tuple[int, ...], dtype) -> int:
+    """VMEM bytes of a buffer: its two minor dims padded to (sublane tile, 128)."""
+    itemsize = np.dtype(dtype).itemsize
+    if len(shape) == 1:
+        shape = (1, *shape)
+    *lead, rows, cols = shape
+    return math.prod(lead) * round_up(rows, sublane_tile(dtype)) * round_up(cols, LANES) * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    kind: str  # "input" (a VMEM operand), "output", or "scratch"
+
+    @property
+    def bytes(self) -> int:
+        return padded_bytes(self.shape, self.dtype)
+
+
+def vmem_buffers(
+    cfg: ModelConfig,
+    bs: BlockSizes,
+    *,
+    batch: int,
+    num_nodes: int,
+    weight_dtype,
+    cache_dtype,
+) -> list[Buffer]:
+    """Every VMEM buffer of the kernel, in the order the kernel declares its scratch."""
+    wdt, cdt = np.dtype(weight_dtype), np.dtype(cache_dtype)
+    f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
+    np_ = block_rows(num_nodes, wdt)
+    m = batch * np_
+    d, hd, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
+    h, k = cfg.num_heads, cfg.num_kv_heads
+    qd, kvd = h * hd, k * hd
+    tv = bs.vocab_cols
+    head_tile = (tv, d) if cfg.tie_word_embeddings else (d, tv)
+    bufs = [
+        Buffer("x0", (m, d), f32, "input"),
+        Buffer("cos", (m, bs.proj_cols), f32, "input"),
+        Buffer("sin", (m, bs.proj_cols), f32, "input"),
+        Buffer("qpos", (m, 1), i32, "input"),
+        Buffer("attn_mask", (batch, np_, np_), i32, "input"),
+        Buffer("anc_mask", (batch, np_, np_), i32, "input"),
+        Buffer("tree_cols", (m, 4), i32, "input"),
+        Buffer("tree_rows", (batch, 2, np_), i32, "input"),
+        Buffer("attn_norm", (L, d), f32, "input"),
+        Buffer("mlp_norm", (L, d), f32, "input"),
+        Buffer("final_norm", (1, d), f32, "input"),
+    ]
+    if cfg.attention_bias:
+        tp = bs.proj_cols  # one sublane row per tile: the kernel picks row j of tile j
+        bufs += [
+            Buffer("bq", (L, qd // tp, tp), f32, "input"),
+            Buffer("bk", (L, kvd // tp, tp), f32, "input"),
+            Buffer("bv", (L, kvd // tp, tp), f32, "input"),
+        ]
+    if cfg.qk_norm:
+        bufs += [Buffer("q_norm", (L, hd), f32, "input"), Buffer("k_norm", (L, hd), f32, "input")]
+    bufs += [
+        Buffer("verdict", (batch, 8, np_), i32, "output"),
+        # scratch, in declaration order
+        Buffer("x", (m, d), f32, "scratch"),  # residual stream
+        Buffer("h", (m, d), wdt, "scratch"),  # normed residual, matmul input
+        Buffer("q", (h, m, hd), f32, "scratch"),  # head-major, RoPE applied
+        Buffer("k", (k, m, hd), f32, "scratch"),
+        Buffer("v", (k, m, hd), f32, "scratch"),
+        Buffer("attn", (h, m, hd), wdt, "scratch"),  # attention output, head-major
+        Buffer("qkv_buf", (2, d, bs.proj_cols), wdt, "scratch"),
+        Buffer("o_buf", (2, bs.out_rows, d), wdt, "scratch"),
+        Buffer("gate_buf", (2, d, bs.mlp_cols), wdt, "scratch"),
+        Buffer("up_buf", (2, d, bs.mlp_cols), wdt, "scratch"),
+        Buffer("down_buf", (2, bs.mlp_cols, d), wdt, "scratch"),
+        Buffer("head_buf", (2, *head_tile), wdt, "scratch"),
+        Buffer("logits_buf", (2, m, tv), f32, "scratch"),
+        Buffer("kbuf", (2, bs.kv_rows, hd), cdt, "scratch"),
+        Buffer("vbuf", (2, bs.kv_rows, hd), cdt, "scratch"),
+        Buffer("rmw_buf", (kv_write_rows(num_nodes, cdt), hd), cdt, "scratch"),
+        Buffer("argmax", (m, 1), i32, "scratch"),
+    ]
+    return bufs
+
+
+def kv_write_rows(num_nodes: int, cache_dtype) -> int:
+    """Rows of the aligned window a 16-bit cache write rewrites (1 row when unused).
+
+    A bf16 HBM slice must start and end on a 16-row boundary, so N + 1 new rows at an
+    arbitrary offset need an aligned window of round_up(N + 16, 16) rows: 65 new rows
+    -> 80.
+    """
+    if np.dtype(cache_dtype).itemsize >= 4:
+        return 1
+    align = sublane_tile(cache_dtype)
+    return round_up(num_nodes + align, align)
+
+
+def vmem_bytes(buffers: list[Buffer]) -> int:
+    return sum(b.bytes for b in buffers)
+
+
+def _largest_tile(dim: int, cap: int, quantum: int) -> int:
+    """Largest multiple of `quantum` <= cap dividing dim; the whole dim if there is none."""
+    best = 0
+    for t in range(quantum, min(dim, cap) + 1, quantum):
+        if dim % t == 0:
+            best = t
+    return best or dim
+
+
+def _vocab_tile(vocab: int, cap: int) -> int:
+    """min(cap, vocab) rounded down to a multiple of 128 (vocab itself when smaller)."""
+    tile = min(cap, vocab)
+    return tile - tile % LANES if tile >= LANES else tile
+
+
+def default_block_sizes(
+    cfg: ModelConfig,
+    *,
+    batch: int,
+    num_nodes: int,
+    weight_dtype,
+    cache_dtype,
+    max_len: int,
+    vmem_budget: int = 48 * MIB,
+) -> BlockSizes:
+    """The largest TPU-aligned tiles whose buffers fit `vmem_budget` bytes.
+
+    Starts from 512-column weight tiles, 2048-column LM-head tiles and 512-row KV
+    tiles, then halves the biggest double buffer until everything fits (or every tile
+    is at its minimum, in which case the compiler gets the final word).
+    """
+    hd, kvd = cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    proj_q = math.lcm(hd, LANES)
+    caps = {"proj_cols": 512, "out_rows": 512, "mlp_cols": 512, "vocab_cols": 2048}
+
+    def build(caps):
+        kv_rows = min(512, max_len - max_len % 16) or max_len
+        return BlockSizes(
+            proj_cols=_largest_tile(kvd, max(caps["proj_cols"], proj_q), proj_q),
+            out_rows=_largest_tile(cfg.num_heads * hd, max(caps["out_rows"], hd), hd),
+            mlp_cols=_largest_tile(cfg.intermediate_size, caps["mlp_cols"], LANES),
+            vocab_cols=_vocab_tile(cfg.vocab_size, caps["vocab_cols"]),
+            kv_rows=kv_rows,
+        )
+
+    def total(bs):
+        return vmem_bytes(
+            vmem_buffers(
+                cfg, bs, batch=batch, num_nodes=num_nodes, weight_dtype=weight_dtype,
+                cache_dtype=cache_dtype,
+            )
+        )  # fmt: skip
+
+    bs = build(caps)
+    while total(bs) > vmem_budget:
+        sizes = {
+            "proj_cols": 2 * cfg.hidden_size * bs.proj_cols,
+            "out_rows": 2 * cfg.hidden_size * bs.out_rows,
+            "mlp_cols": 6 * cfg.hidden_size * bs.mlp_cols,
+            "vocab_cols": 2 * cfg.hidden_size * bs.vocab_cols,
+        }
+        floor = {"out_rows": max(hd, 16)}
+        shrinkable = [f for f in sizes if caps[f] > floor.get(f, LANES)]
+        if not shrinkable:
+            break
+        field = max(shrinkable, key=sizes.get)
+        caps[field] = min(caps[field], getattr(bs, field)) // 2
+        bs = build(caps)
+    return bs

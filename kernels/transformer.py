@@ -1,0 +1,528 @@
+"""Pure-JAX reference transformer: the one forward every other path is checked against.
+
+One primitive, `forward_block`, covers prefill, decode and the tree forward. It
+runs N new tokens per sequence against that sequence's committed KV:
+
+* each new token i attends to the committed prefix (cache positions
+  `[0, cache_lens[b])`) and to the new tokens j with `block_mask[b, i, j]`;
+* RoPE uses `positions[b, i]`;
+* the new tokens' K/V are written to cache positions `cache_lens[b] + i`
+  (block order, not RoPE position: sibling tree nodes share a position).
+
+Prefill is a causal block at `cache_lens = 0`; decode is a block of one; the
+tree forward is a block of `[root, node_0, ..., node_{N-1}]` whose mask is the
+ancestor mask. Example: root + nodes with depths [1, 1, 2] and 7 committed
+tokens -> positions [7, 8, 8, 9], K/V written to cache slots 7, 8, 9, 10.
+`commit_kv` later moves the accepted path's K/V to slots 8, 9, ...
+
+Numerics: the residual stream, norms, softmax and logits are float32; matmul
+inputs are cast to the weight dtype with float32 accumulation, so float32
+weights give exactly the float32 Hugging Face computation.
+
+Params are a dict pytree with per-layer weights stacked on a leading L axis
+(so layers run under `lax.scan` and a kernel can stream them); matrices are
+`[in, out]`:
+
+    embed        [V, D]             final_norm [D]        lm_head [D, V] (absent if tied)
+    layers/attn_norm, mlp_norm   [L, D]
+    layers/wq [L, D, H*hd]   wk, wv [L, D, K*hd]   wo [L, H*hd, D]
+    layers/bq [L, H*hd]      bk, bv [L, K*hd]              (attention_bias)
+    layers/q_norm, k_norm [L, hd]                           (qk_norm)
+    layers/w_gate, w_up [L, D, F]   w_down [L, F, D]        (dense MLP)
+    layers/router [L, D, E]   e_gate, e_up [L, E, D, Fe]   e_down [L, E, Fe, D]  (MoE)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec.kernels.config import ModelConfig
+
+Params = dict
+
+_NEG = -1e30  # finite "minus infinity": a fully masked row must not become NaN
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Per-layer K/V for a fixed number of sequence slots.
+
+    k: jax.Array  # [L, slots, K, max_len, hd]
+    v: jax.Array  # [L, slots, K, max_len, hd]
+    Which positions of a slot are valid is the caller's `cache_lens`, not stored here.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, num_slots: int, max_len: int, dtype=jnp.float32):
+        shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+# ----------------------------------------------------------------------------- params
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """Shape of every parameter, in the layout described in the module docstring."""
+    d, hd, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
+    qd, kvd = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    layers = {
+        "attn_norm": (L, d),
+        "mlp_norm": (L, d),
+        "wq": (L, d, qd),
+        "wk": (L, d, kvd),
+        "wv": (L, d, kvd),
+        "wo": (L, qd, d),
+    }
+    if cfg.attention_bias:
+        layers |= {"bq": (L, qd), "bk": (L, kvd), "bv": (L, kvd)}
+    if cfg.qk_norm:
+        layers |= {"q_norm": (L, hd), "k_norm": (L, hd)}
+    if cfg.is_moe:
+        e, fe = cfg.num_experts, cfg.moe_intermediate_size
+        layers |= {
+            "router": (L, d, e),
+            "e_gate": (L, e, d, fe),
+            "e_up": (L, e, d, fe),
+            "e_down": (L, e, fe, d),
+        }
+    else:
+        f = cfg.intermediate_size
+        layers |= {"w_gate": (L, d, f), "w_up": (L, d, f), "w_down": (L, f, d)}
+    shapes = {"embed": (cfg.vocab_size, d), "final_norm": (d,), "layers": layers}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (d, cfg.vocab_size)
+    return shapes
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
+    """Random weights (normal, std 0.02), norms at one, biases at zero."""
+    shapes = param_shapes(cfg)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
+    keys = jax.random.split(key, len(flat))
+    leaves = []
+    for (path, shape), k in zip(flat, keys, strict=True):
+        name = path[-1].key
+        if name.endswith("norm"):
+            leaves.append(jnp.ones(shape, dtype))
+        elif name in ("bq", "bk", "bv"):
+            leaves.append(jnp.zeros(shape, dtype))
+        else:
+            leaves.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies f32[hd // 2], with Llama-3 scaling when configured."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    inv = inv.astype(np.float32)
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    old = rs.original_max_position_embeddings
+    low_wavelen = old / rs.low_freq_factor
+    high_wavelen = old / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x f32[..., D] normalised over the last axis, times weight [D]."""
+    x = x.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x * weight.astype(jnp.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x f32[B, N, heads, hd]; positions i32[B, N]."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, N, hd/2]
+    cos = jnp.cos(freqs)[:, :, None, :]
+    sin = jnp.sin(freqs)[:, :, None, :]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _mm(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w [in, out] with inputs in w's dtype and f32 accumulation."""
+    return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def _mlp(cfg: ModelConfig, lp: dict, h: jax.Array) -> jax.Array:
+    if not cfg.is_moe:
+        a = jax.nn.silu(_mm(h, lp["w_gate"])) * _mm(h, lp["w_up"])
+        return _mm(a, lp["w_down"])
+    # Routed experts, computed densely (every expert on every token, then
+    # weighted): exact, and fine for a reference; a grouped kernel is future work.
+    router = jax.nn.softmax(_mm(h, lp["router"]), axis=-1)  # [B, N, E]
+    top_w, top_i = jax.lax.top_k(router, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    top_w = top_w.astype(lp["e_gate"].dtype).astype(jnp.float32)
+    weights = jnp.sum(jax.nn.one_hot(top_i, cfg.num_experts) * top_w[..., None], axis=-2)
+    hx = h.astype(lp["e_gate"].dtype)
+    gate = jnp.einsum("bnd,edf->bnef", hx, lp["e_gate"], preferred_element_type=jnp.float32)
+    up = jnp.einsum("bnd,edf->bnef", hx, lp["e_up"], preferred_element_type=jnp.float32)
+    act = (jax.nn.silu(gate) * up).astype(lp["e_down"].dtype)
+    out = jnp.einsum("bnef,efd->bned", act, lp["e_down"], preferred_element_type=jnp.float32)
+    return jnp.einsum("bne,bned->bnd", weights, out)
+
+
+def _attention(
+    cfg: ModelConfig,
+    q: jax.Array,  # f32[B, N, H, hd], RoPE applied
+    k: jax.Array,  # f32[B, N, K, hd], RoPE applied
+    v: jax.Array,  # f32[B, N, K, hd]
+    k_cache: jax.Array | None,  # [B, K, T, hd] committed keys of each sequence
+    v_cache: jax.Array | None,  # [B, K, T, hd]
+    cache_mask: jax.Array | None,  # bool[B, N, T]
+    block_mask: jax.Array,  # bool[B, N, N]
+) -> jax.Array:  # f32[B, N, H * hd]
+    b, n, h, hd = q.shape
+    kh = cfg.num_kv_heads
+    q = q.reshape(b, n, kh, h // kh, hd) * (1.0 / math.sqrt(hd))
+    s_block = jnp.einsum("bnkgd,bmkd->bkgnm", q, k)
+    s_block = jnp.where(block_mask[:, None, None], s_block, _NEG)
+    if k_cache is None:
+        p = jax.nn.softmax(s_block, axis=-1)
+        out = jnp.einsum("bkgnm,bmkd->bnkgd", p, v)
+        return out.reshape(b, n, h * hd)
+    s_cache = jnp.einsum("bnkgd,bktd->bkgnt", q, k_cache.astype(jnp.float32))
+    s_cache = jnp.where(cache_mask[:, None, None], s_cache, _NEG)
+    p = jax.nn.softmax(jnp.concatenate([s_cache, s_block], axis=-1), axis=-1)
+    t = k_cache.shape[2]
+    out = jnp.einsum("bkgnt,bktd->bnkgd", p[..., :t], v_cache.astype(jnp.float32))
+    out = out + jnp.einsum("bkgnm,bmkd->bnkgd", p[..., t:], v)
+    return out.reshape(b, n, h * hd)
+
+
+def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_cache):
+    """One decoder layer. Returns the new residual and this block's (k, v)."""
+    b, n, _ = x.shape
+    hd = cfg.head_dim
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = _mm(h, lp["wq"]), _mm(h, lp["wk"]), _mm(h, lp["wv"])
+    if cfg.attention_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = q.reshape(b, n, cfg.num_heads, hd)
+    k = k.reshape(b, n, cfg.num_kv_heads, hd)
+    v = v.reshape(b, n, cfg.num_kv_heads, hd)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    attn = _attention(cfg, q, k, v, k_cache, v_cache, cache_mask, block_mask)
+    x = x + _mm(attn, lp["wo"])
+    x = x + _mlp(cfg, lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
+    return x, k, v
+
+
+def lm_head(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
+    """Final norm + vocabulary projection: x f32[..., D] -> logits f32[..., V]."""
+    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    if cfg.tie_word_embeddings:
+        w = params["embed"]
+        return jnp.matmul(h.astype(w.dtype), w.T, preferred_element_type=jnp.float32)
+    return _mm(h, params["lm_head"])
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _hidden_block(
+    cfg, params, tokens, positions, block_mask, cache, slots, cache_lens, cache_mask=None,
+    kv_len=None,
+):  # fmt: skip
+    """Runs all layers; returns final residual f32[B, N, D] and new K/V [L, B, N, K, hd].
+
+    Only the first `kv_len` cache positions are read (default: all of them).
+    """
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    x = params["embed"][tokens].astype(jnp.float32)
+    if cfg.sliding_window is not None:
+        w = cfg.sliding_window
+        block_mask = block_mask & (positions[:, :, None] - positions[:, None, :] < w)
+    if cache is None:
+
+        def body(x, lp):
+            x, k, v = _layer(cfg, inv_freq, positions, None, block_mask, x, lp, None, None)
+            return x, (k, v)
+
+        layers = params["layers"]
+        return _over_layers(body, x, list(layers) if isinstance(layers, tuple) else layers)
+
+    kv_len = kv_len or cache.max_len
+    t = jnp.arange(kv_len)
+    if cache_mask is None:
+        cache_valid = t[None, :] < cache_lens[:, None]  # [B, T]
+        cache_mask = jnp.broadcast_to(cache_valid[:, None, :], (*tokens.shape, kv_len))
+    else:
+        cache_valid = jnp.any(cache_mask, axis=1)
+    if cfg.sliding_window is not None:
+        cache_mask = cache_mask & (positions[:, :, None] - t[None, None, :] < cfg.sliding_window)
+    # Zero the unused slots so NaN (or stale) data there cannot leak through 0 * NaN.
+    keep = cache_valid[:, None, :, None]
+    safe_slots = jnp.clip(slots, 0, cache.num_slots - 1)
+
+    def body(x, layer):
+        lp, kc, vc = layer  # kc, vc: [slots, K, T, hd]
+        kc = jnp.where(keep, kc[safe_slots], 0)
+        vc = jnp.where(keep, vc[safe_slots], 0)
+        x, k, v = _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, kc, vc)
+        return x, (k, v)
+
+    k_read, v_read = cache.k[:, :, :, :kv_len], cache.v[:, :, :, :kv_len]
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):  # unstacked: pair each layer with its cache slab
+        layers = [(lp, k_read[i], v_read[i]) for i, lp in enumerate(layers)]
+    else:
+        layers = (layers, k_read, v_read)
+    return _over_layers(body, x, layers)
+
+
+def _over_layers(body, x, layers):
+    """Runs `body(x, layer) -> (x, (k, v))` over the layers; K/V stacked [L, ...].
+
+    Stacked params ([L, ...] leaves) run under `lax.scan` (one traced layer: what
+    a kernel streams). A tuple of per-layer dicts (`unstack_layers`) is unrolled:
+    on CPU, XLA copies each scanned slice of the stacked weights, which cost a
+    3.4x slower decode (4.1 vs 14.1 GB/s on a 12-layer 768-wide stack here).
+    """
+    if isinstance(layers, list):
+        ks, vs = [], []
+        for layer in layers:
+            x, (k, v) = body(x, layer)
+            ks.append(k)
+            vs.append(v)
+        return x, jnp.stack(ks), jnp.stack(vs)
+    x, (ks, vs) = jax.lax.scan(body, x, layers)
+    return x, ks, vs
+
+
+def unstack_layers(params: Params) -> Params:
+    """The same params with `layers` as a tuple of per-layer dicts (see `_over_layers`)."""
+    stacked = params["layers"]
+    if isinstance(stacked, (tuple, list)):
+        return params
+    n = next(iter(stacked.values())).shape[0]
+    layers = tuple({k: v[i] for k, v in stacked.items()} for i in range(n))
+    return {**params, "layers": layers}
+
+
+def _put_rows(cache: KVCache, k_rows, v_rows, slots, starts) -> KVCache:
+    """Writes k_rows[b] / v_rows[b] ([L, K, n, hd]) at positions starts[b] .. + n of slots[b].
+
+    One in-place `dynamic_update_slice` per row (a scatter with advanced indices
+    rebuilt the whole cache: 65 ms of a 108 ms decode step on a 160M model).
+    Rows with slot < 0 write back what is there. The caller keeps
+    `starts[b] + n <= max_len` for live rows (slices are clamped, not dropped).
+    """
+
+    def row(b, kv):
+        k, v = kv
+        live = slots[b] >= 0
+        at = (0, jnp.maximum(slots[b], 0), 0, starts[b], 0)
+        shape = (k.shape[0], 1, k.shape[2], k_rows.shape[3], k.shape[4])
+
+        def put(cache_arr, new):
+            old = jax.lax.dynamic_slice(cache_arr, at, shape)
+            upd = jnp.where(live, new[:, None].astype(cache_arr.dtype), old)
+            return jax.lax.dynamic_update_slice(cache_arr, upd, at)
+
+        return put(k, k_rows[b]), put(v, v_rows[b])
+
+    kv = (cache.k, cache.v)
+    for b in range(slots.shape[0]):  # unrolled: a while loop would copy the cache (XLA CPU)
+        kv = row(b, kv)
+    return KVCache(k=kv[0], v=kv[1])
+
+
+def _write_block(cache: KVCache, ks, vs, slots, cache_lens) -> KVCache:
+    """Writes block K/V [L, B, N, K, hd] at positions cache_lens[b] + i of slots[b].
+
+    Padding rows (slot = -1) never change the cache.
+    """
+    k_rows = jnp.moveaxis(ks, 1, 0).transpose(0, 1, 3, 2, 4)  # [B, L, K, N, hd]
+    v_rows = jnp.moveaxis(vs, 1, 0).transpose(0, 1, 3, 2, 4)
+    return _put_rows(cache, k_rows, v_rows, slots, cache_lens)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kv_len"), donate_argnames=("cache",))
+def forward_block(
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,  # i32[B, N] new tokens
+    positions: jax.Array,  # i32[B, N] RoPE positions
+    block_mask: jax.Array,  # bool[B, N, N] which new tokens each new token sees
+    slots: jax.Array,  # i32[B] cache slot per row; -1 = padding row (nothing written)
+    cache_lens: jax.Array,  # i32[B] committed tokens already in the cache
+    logit_index: jax.Array | None = None,  # i32[B]: logits only at this block index
+    cache_mask: jax.Array | None = None,  # bool[B, N, kv_len]: cached keys each token sees
+    *,
+    cfg: ModelConfig,
+    kv_len: int | None = None,  # read only cache positions [0, kv_len); None = all
+) -> tuple[jax.Array, KVCache]:
+    """The shared primitive (module docstring).
+
+    `cache_mask` replaces the default "committed prefix" (`t < cache_lens[b]`) when
+    the cache holds more than a prefix, e.g. a drafter's earlier tree levels; the
+    block is still written at `cache_lens[b] + i`. `kv_len` (static) bounds what
+    attention reads, so short contexts do not pay for `max_len`; it must exceed
+    every position a token attends to.
+
+    Returns (logits f32[B, N, V], or f32[B, 1, V] at `logit_index`, and the cache).
+    """
+    logits, ks, vs = block_logits_kv(
+        params, cache, tokens, positions, block_mask, slots, cache_lens, logit_index,
+        cache_mask, cfg=cfg, kv_len=kv_len,
+    )  # fmt: skip
+    return logits, _write_block(cache, ks, vs, slots, cache_lens)
+
+
+def block_logits_kv(
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,  # i32[B, N]
+    positions: jax.Array,  # i32[B, N]
+    block_mask: jax.Array,  # bool[B, N, N]
+    slots: jax.Array,  # i32[B]
+    cache_lens: jax.Array,  # i32[B]
+    logit_index: jax.Array | None = None,  # i32[B]
+    cache_mask: jax.Array | None = None,  # bool[B, N, kv_len]
+    *,
+    cfg: ModelConfig,
+    kv_len: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`forward_block` without the cache write: (logits, k, v), K/V [L, B, N, K, hd].
+
+    The cache is only read, so a caller can write just what it keeps, in its own
+    donated call (`write_kv`): XLA on CPU copies the whole cache when one program
+    both reads it and updates it in place (2.5x slower decode on a 160M model).
+    """
+    x, ks, vs = _hidden_block(
+        cfg, params, tokens, positions, block_mask, cache, slots, cache_lens, cache_mask, kv_len
+    )
+    if logit_index is not None:
+        x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)
+    return lm_head(cfg, params, x), ks, vs
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def write_kv(
+    cache: KVCache,
+    ks: jax.Array,  # [L, B, N, K, hd]
+    vs: jax.Array,  # [L, B, N, K, hd]
+    slots: jax.Array,  # i32[B], -1 = write nothing
+    starts: jax.Array,  # i32[B] first cache position to write
+    keep: jax.Array | None = None,  # i32[B, M] block indices to keep, in order (None = all)
+) -> KVCache:
+    """Writes block K/V (or the `keep` entries of it) at positions starts[b], starts[b] + 1, ...
+
+    Example: a verify block [root, n0, n1, n2] with accepted path n0 -> n2 keeps
+    block indices [0, 1, 3]: root, n0, n2 land at c, c + 1, c + 2. Entries past a
+    row's real path are written too; they lie beyond its new length (ignored).
+    """
+    if keep is not None:
+        take = jax.vmap(lambda a, idx: a[:, idx], in_axes=(1, 0), out_axes=1)
+        ks, vs = take(ks, keep), take(vs, keep)
+    return _write_block(cache, ks, vs, slots, starts)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def commit_kv(
+    cache: KVCache,
+    slots: jax.Array,  # i32[B]; -1 = padding row
+    cache_lens: jax.Array,  # i32[B] committed length before the step (root's K/V slot)
+    src: jax.Array,  # i32[B, P] block index of the accepted node at depth d (d = 1..P)
+    num: jax.Array,  # i32[B] accepted nodes per row (<= P)
+) -> KVCache:
+    """Moves accepted tree nodes' K/V to their committed positions.
+
+    After a verify block [root, node_0, ...] at cache_lens c, node i's K/V sits
+    at c + 1 + i; the node accepted at depth d belongs at c + d. Example:
+    accepted nodes [0, 2] (src = block indices [1, 3]) with c = 7 -> copies
+    slot 8 -> 8 and 10 -> 9. Sources are never below targets (topological order),
+    so reading all sources before writing is safe.
+    """
+    del num  # positions past the accepted path are beyond the new length: free to overwrite
+    safe_slots = jnp.clip(slots, 0, cache.num_slots - 1)
+    src_pos = jnp.clip(cache_lens[:, None] + src, 0, cache.max_len - 1)  # [B, P]
+
+    def gather(arr):  # -> [B, L, K, P, hd]
+        return jax.vmap(lambda s, pos: arr[:, s, :, pos, :].transpose(1, 2, 0, 3))(
+            safe_slots, src_pos
+        )
+
+    return _put_rows(cache, gather(cache.k), gather(cache.v), slots, cache_lens + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def forward_train(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Plain causal forward without a cache: tokens i32[B, T] -> logits f32[B, T, V]."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    x, _, _ = _hidden_block(cfg, params, tokens, positions, causal, None, None, None)
+    return lm_head(cfg, params, x)
+
+
+def causal_block_mask(lengths: jax.Array, n: int) -> jax.Array:
+    """bool[B, n, n]: causal, and only within each row's first lengths[b] tokens.
+
+    Padding queries still see themselves so no softmax row is empty.
+    """
+    i = jnp.arange(n)
+    causal = i[None, :, None] >= i[None, None, :]
+    valid = i[None, :] < lengths[:, None]
+    return (causal & valid[:, None, :]) | jnp.eye(n, dtype=bool)[None]
+
+
+def prefill_logits(params: Params, cfg: ModelConfig, tokens, lengths) -> jax.Array:
+    """Logits f32[B, T, V] for a right-padded ragged batch (tokens i32[B, T], lengths i32[B]).
+
+    Positions at or beyond a row's length hold meaningless values.
+    """
+    tokens = jnp.asarray(tokens, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    b, t = tokens.shape
+    cache = KVCache.create(cfg, b, t, dtype=params["embed"].dtype)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits, _ = forward_block(
+        params,
+        cache,
+        tokens,
+        positions,
+        causal_block_mask(lengths, t),
+        jnp.arange(b, dtype=jnp.int32),
+        jnp.zeros((b,), jnp.int32),
+        cfg=cfg,
+    )
+    return logits

@@ -1,0 +1,298 @@
+"""`LLM`: the vLLM-shaped front door.
+
+from specdec import LLM, SamplingParams
+llm = LLM(model="path/to/hf_folder")
+out = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=32))
+print(out[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import jax
+from tqdm.auto import tqdm
+
+from specdec.checkpoint import load_config, load_model
+from specdec.engine import LLMEngine
+from specdec.outputs import RequestOutput, SpecDecodeMetrics
+from specdec.params import SamplingParams, SpeculativeConfig, broadcast_params
+from specdec.tokenizer import Tokenizer
+from specdec.workers import KernelName, TargetWorker, build_drafter
+
+if TYPE_CHECKING:
+    from specdec.cluster.config import ClusterConfig
+
+PromptType = str | Mapping[str, Any]
+DTypeName = Literal["auto", "float32", "bfloat16"]
+_counter = itertools.count()
+
+
+def default_dtype() -> str:
+    """float32 on CPU (bfloat16 matmuls are slow there), bfloat16 on accelerators."""
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+class LLM:
+    """Loads a Hugging Face model folder and generates from it.
+
+    Args:
+        model: folder with config.json, safetensors weights and (for text prompts)
+            tokenizer.json.
+        dtype: weight dtype; "auto" = float32 on CPU, bfloat16 elsewhere.
+        max_model_len: prompt + output tokens per sequence at most; default
+            min(max_position_embeddings, 4096).
+        max_num_seqs: sequences decoded together (KV-cache slots).
+        speculative_config: a `SpeculativeConfig` or an equivalent dict; None = plain
+            autoregressive decoding.
+        seed: seeds the per-request seeds of requests that give none.
+        kernel: the target's verify step: "megakernel" (the Pallas kernel; interpret
+            mode off TPU), "xla" (jitted reference path) or "auto" (megakernel on TPU,
+            XLA elsewhere and for MoE targets).
+        cluster: run the draft and the target as Ray actors on separate resource
+            groups (`specdec.cluster.ClusterConfig`); the step loop stays here.
+        distributed_executor_backend: "ray" = the same with a default ClusterConfig
+            (one host per group) when `cluster` is None.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        dtype: DTypeName = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 8,
+        tokenizer: str | os.PathLike | None = None,
+        speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
+        seed: int = 0,
+        kernel: KernelName = "auto",
+        cluster: ClusterConfig | None = None,
+        distributed_executor_backend: Literal["ray"] | None = None,
+    ):
+        if dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}.")
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}.")
+        folder = Path(model)
+        if not folder.exists():
+            raise ValueError(f"Model path {str(model)!r} does not exist.")
+        if distributed_executor_backend not in (None, "ray"):
+            raise ValueError(
+                f"distributed_executor_backend must be None or 'ray', got "
+                f"{distributed_executor_backend!r}."
+            )
+        remote = cluster is not None or distributed_executor_backend == "ray"
+        self.model_path = folder
+        self.dtype = default_dtype() if dtype == "auto" else dtype
+        if remote:  # the weights load in the target actor, not here
+            self.config, params = load_config(folder), None
+        else:
+            self.config, params = load_model(folder, dtype=self.dtype)
+        if kernel not in ("auto", "megakernel", "xla"):
+            raise ValueError(f"kernel must be 'auto', 'megakernel' or 'xla', got {kernel!r}.")
+        limit = self.config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = min(limit, 4096)
+        if not isinstance(max_model_len, int) or not 2 <= max_model_len <= limit:
+            raise ValueError(
+                f"max_model_len must be an integer in [2, {limit}] (the model's "
+                f"max_position_embeddings), got {max_model_len!r}."
+            )
+        self.max_model_len = max_model_len
+        tok_folder = Path(tokenizer) if tokenizer is not None else folder
+        self.tokenizer = (
+            Tokenizer.from_pretrained(tok_folder)
+            if (tok_folder / "tokenizer.json").is_file() or tokenizer is not None
+            else None
+        )
+        if isinstance(speculative_config, Mapping):
+            speculative_config = SpeculativeConfig.from_dict(dict(speculative_config))
+        self.speculative_config = speculative_config
+        self.cluster = None  # the Ray actors' handle (`shutdown()`), when remote
+        if remote:
+            from specdec.cluster.remote import remote_workers  # the one upward import
+
+            target, drafter = remote_workers(
+                cluster, model=folder, dtype=self.dtype, model_config=self.config,
+                speculative_config=speculative_config, num_slots=max_num_seqs,
+                max_model_len=max_model_len, kernel=kernel,
+            )  # fmt: skip
+            self.cluster = target.cluster
+        else:
+            drafter = None
+            if speculative_config is not None:
+                drafter = build_drafter(
+                    speculative_config, target_path=folder, target_config=self.config,
+                    num_slots=max_num_seqs, max_model_len=max_model_len, dtype=self.dtype,
+                )  # fmt: skip
+            target = TargetWorker(
+                self.config, params, num_slots=max_num_seqs, max_model_len=max_model_len,
+                max_tree_nodes=drafter.max_nodes if drafter is not None else 0, kernel=kernel,
+            )  # fmt: skip
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        self.last_generate_metrics: dict = {}
+        self.engine = LLMEngine(
+            target,
+            self.tokenizer,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            eos_token_ids=eos,
+            drafter=drafter,
+            seed=seed,
+        )
+
+    # ------------------------------------------------------------------ input checks
+
+    def _prompt_ids(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:
+        vocab = self.config.vocab_size
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"Prompt {index} is empty; the prompt must not be empty.")
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"{self.model_path} has no tokenizer.json, so text prompts cannot be "
+                    "encoded; pass {'prompt_token_ids': [...]} instead."
+                )
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            if not isinstance(ids, Sequence) or isinstance(ids, str):
+                raise ValueError(
+                    f"Prompt {index}: prompt_token_ids must be a list of ints, got {type(ids)}."
+                )
+            ids = list(ids)
+        elif isinstance(prompt, Mapping) and "prompt" in prompt:
+            return self._prompt_ids(prompt["prompt"], index)
+        else:
+            raise ValueError(
+                f"Prompt {index} must be a str or a dict with 'prompt_token_ids' (or "
+                f"'prompt'), got {type(prompt).__name__}."
+            )
+        if not ids:
+            raise ValueError(f"Prompt {index} is empty (no tokens); the prompt must not be empty.")
+        for j, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(
+                    f"Prompt {index}: token id {t!r} at position {j} is out of vocabulary "
+                    f"(allowed: integers in [0, {vocab}))."
+                )
+        if len(ids) + 1 > self.max_model_len:
+            raise ValueError(
+                f"Prompt {index} is too long: {len(ids)} prompt tokens + at least 1 output "
+                f"token = {len(ids) + 1} > max_model_len = {self.max_model_len}."
+            )
+        return text, ids
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; outputs come back in prompt order."""
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = broadcast_params(sampling_params, len(prompts))
+        if self.tokenizer is None and any(p.stop for p in params):
+            raise ValueError("stop strings need a tokenizer; this model folder has none.")
+        checked = [self._prompt_ids(p, i) for i, p in enumerate(prompts)]  # all before any work
+        seqs = [
+            self.engine.add_request(f"{next(_counter)}", text, ids, p)
+            for (text, ids), p in zip(checked, params, strict=True)
+        ]
+        started = time.perf_counter()
+        with tqdm(
+            total=len(seqs), desc="Processed prompts", disable=not use_tqdm, unit="req"
+        ) as bar:
+            done = 0
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+                now_done = sum(s.finished for s in seqs)
+                bar.update(now_done - done)
+                done = now_done
+        outputs = [s.output() for s in seqs]
+        self.last_generate_metrics = _call_metrics(outputs, time.perf_counter() - started)
+        return outputs
+
+    def generate_stream(
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None
+    ) -> Iterator[tuple[str, RequestOutput]]:
+        """Generates for one prompt, yielding (new text, output so far) after each step.
+
+        Text that could still turn out to be the start of a stop string is held
+        back until it cannot; the deltas concatenate to the final `text`.
+        """
+        params = broadcast_params(sampling_params, 1)[0]
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_path} has no tokenizer.json; streaming text needs one.")
+        text, ids = self._prompt_ids(prompt, 0)
+        seq = self.engine.add_request(f"{next(_counter)}", text, ids, params)
+        hold = max((len(x) for x in params.stop or ()), default=1) - 1
+        sent = 0
+        while not seq.finished:
+            self.engine.step()
+            out = seq.output()
+            visible = out.outputs[0].text
+            end = len(visible) if seq.finished else max(sent, len(visible) - hold)
+            yield visible[sent:end], out
+            sent = end
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Renders each conversation with the model's chat template, then generates."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_path} has no tokenizer.json; chat needs one.")
+        if messages and isinstance(messages[0], Mapping):
+            messages = [messages]
+        prompts = []
+        for conversation in messages:
+            ids = self.tokenizer.apply_chat_template(
+                list(conversation),
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                **dict(chat_template_kwargs or {}),
+            )
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_metrics(self) -> dict:
+        """Running speculative-decoding totals since this LLM was built (vLLM's names).
+
+        `llm.last_generate_metrics` holds the same figures for the latest `generate`
+        call alone, with mean TTFT / TPOT and output tokens/s.
+        """
+        return self.engine.spec_metrics.as_dict()
+
+
+def _call_metrics(outputs: list[RequestOutput], seconds: float) -> dict:
+    """Speculation totals, timing means and throughput of one generate call."""
+    spec = SpecDecodeMetrics()
+    for o in outputs:
+        spec.merge(o.metrics.spec)
+    ttfts = [o.metrics.ttft for o in outputs if o.metrics.ttft is not None]
+    tpots = [o.metrics.tpot for o in outputs if o.metrics.tpot is not None]
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return spec.as_dict() | {
+        "num_requests": len(outputs),
+        "num_output_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "mean_ttft": sum(ttfts) / len(ttfts) if ttfts else None,
+        "mean_tpot": sum(tpots) / len(tpots) if tpots else None,
+    }

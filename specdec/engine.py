@@ -1,0 +1,307 @@
+"""The step loop: batched (speculative) decoding over a fixed set of KV-cache slots.
+
+Walk-through of one `LLMEngine.step()`:
+
+1. **Admit.** Waiting requests take free slots (FIFO). Their prompts are
+   prefilled into the target's cache in one batch and the first output token is
+   sampled; that token is the sequence's *root* (committed, K/V not yet cached).
+   The drafter, if any, is told about the new sequence (`Drafter.start`).
+2. **Propose.** The drafter grows one token tree per running sequence, padded to
+   a fixed node count so nothing re-traces (`Drafter.propose`). Without a drafter
+   the tree is empty and the step is plain autoregressive decoding.
+3. **Verify.** The target scores `[root, tree nodes]` in one fused call, applies
+   the acceptance rule and commits the accepted path's K/V
+   (`TargetWorker.verify`). Each row yields its accepted tokens plus one bonus
+   token.
+4. **Commit.** The engine appends those tokens one by one, applying the stop
+   rules *inside* the run: a stop token id, EOS (unless `ignore_eos`), a stop
+   string, `max_tokens` and `max_model_len` end the output at the exact token,
+   whatever the run held after it. The drafter rolls its own state forward to
+   the same tokens (`Drafter.commit`). Finished sequences free their slots, so
+   sequences join and leave the batch independently.
+
+Everything that varies per request (sampling parameters, seed, counter) travels
+as flat arrays (`SamplingBatch`); row s of every array is slot s.
+
+A worker that is gone for good (a remote target whose restarts are exhausted)
+raises `WorkerLostError`; the step then ends every unfinished request with
+`finish_reason="error"`, keeping the tokens already committed, and logs why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+
+import numpy as np
+
+from specdec.draft.base import DraftBatch, Drafter
+from specdec.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    SpecDecodeMetrics,
+)
+from specdec.params import SamplingParams
+from specdec.tokenizer import IncrementalDetokenizer, Tokenizer
+from specdec.verify.batch import SamplingBatch
+from specdec.workers import TargetWorker
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerLostError(RuntimeError):
+    """A worker died and cannot come back; the message names it and what was lost."""
+
+
+def request_seed(seed: int) -> int:
+    """A user seed (any int in [0, 2**63)) folded into the u32 the PRNG takes."""
+    return (seed ^ (seed >> 32)) & 0xFFFFFFFF
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One request's state inside the engine."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # u32
+    metrics: RequestMetrics
+    detok: IncrementalDetokenizer | None
+    slot: int = -1
+    root: int = -1
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""
+    stop_text_end: int | None = None  # where a stop string starts in the text
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def output(self) -> RequestOutput:
+        text = self.text if self.stop_text_end is None else self.text[: self.stop_text_end]
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(self.output_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[completion],
+            finished=self.finished,
+            metrics=self.metrics,
+        )
+
+
+class LLMEngine:
+    """Batched speculative decoding over `target` (and `drafter`, if any)."""
+
+    def __init__(
+        self,
+        target: TargetWorker,
+        tokenizer: Tokenizer | None,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+        drafter: Drafter | None = None,
+        seed: int = 0,
+    ):
+        self.target = target
+        self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.drafter = drafter
+        self.waiting: deque[Sequence] = deque()
+        self.slots: list[Sequence | None] = [None] * max_num_seqs
+        self.spec_metrics = SpecDecodeMetrics()
+        self.last_error: WorkerLostError | None = None  # why requests last ended in "error"
+        self._rng = np.random.default_rng(seed)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> Sequence:
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens
+            )
+        seq = Sequence(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            seed=request_seed(seed),
+            metrics=RequestMetrics(arrival_time=arrival_time or time.perf_counter()),
+            detok=detok,
+        )
+        self.waiting.append(seq)
+        return seq
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    @property
+    def running(self) -> list[Sequence]:
+        return [s for s in self.slots if s is not None]
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[Sequence]:
+        """Admits, decodes one speculative step; returns sequences that changed."""
+        try:
+            changed = self._admit()
+            active = np.array([s is not None and not s.finished for s in self.slots])
+            if active.any():
+                changed += self._decode(active)
+        except WorkerLostError as e:
+            return self._fail_all(e)
+        for s in changed:
+            if s.finished and s.slot >= 0:
+                self._release(s)
+        return changed
+
+    def _sampling(self, seqs: list[Sequence | None]) -> SamplingBatch:
+        n = len(seqs)
+        b = SamplingBatch.make_dummy(n)
+        for i, s in enumerate(seqs):
+            if s is None:
+                continue
+            p = s.params
+            b.temperature[i] = p.temperature
+            b.top_k[i] = p.top_k
+            b.top_p[i] = p.top_p
+            b.min_p[i] = p.min_p
+            b.seed[i] = s.seed
+            b.counter[i] = len(s.output_ids)
+        return b
+
+    def _admit(self) -> list[Sequence]:
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        new = []
+        while free and self.waiting:
+            seq = self.waiting.popleft()
+            seq.slot = free.pop(0)
+            self.slots[seq.slot] = seq
+            new.append(seq)
+        if not new:
+            return []
+        roots = self.target.prefill(
+            [s.slot for s in new], [s.prompt_token_ids for s in new], self._sampling(new)
+        )
+        now = time.perf_counter()
+        for seq, root in zip(new, roots, strict=True):
+            seq.metrics.first_token_time = now
+            seq.root = int(root)
+            self._append(seq, [seq.root])
+        starting = [s for s in new if not s.finished]
+        if self.drafter is not None and starting:
+            self.drafter.start(
+                [s.slot for s in starting],
+                [s.prompt_token_ids for s in starting],
+                [s.root for s in starting],
+            )
+        return new
+
+    def _decode(self, active: np.ndarray) -> list[Sequence]:
+        roots = np.array([s.root if s is not None else 0 for s in self.slots], np.int32)
+        sampling = self._sampling(self.slots)
+        if self.drafter is not None:
+            tree = self.drafter.propose(active, roots, sampling)
+        else:
+            tree = DraftBatch.empty(self.max_num_seqs)
+        emitted, num, accepted = self.target.verify(roots, tree, active, sampling)
+        if self.drafter is not None:
+            self.drafter.commit(active, accepted, num, emitted)
+        nodes = tree.num_nodes
+        changed = []
+        for slot in np.flatnonzero(active):
+            seq = self.slots[slot]
+            run = emitted[slot, : num[slot] + 1].tolist()
+            seq.metrics.spec.record(int(nodes[slot]), int(num[slot]))
+            self.spec_metrics.record(int(nodes[slot]), int(num[slot]))
+            self._append(seq, run)
+            seq.root = run[-1]
+            changed.append(seq)
+        return changed
+
+    def _fail_all(self, error: WorkerLostError) -> list[Sequence]:
+        """Ends every unfinished request with finish_reason="error" (outputs so far kept)."""
+        logger.error("%s", error)
+        self.last_error = error
+        failed = [s for s in self.slots if s is not None] + list(self.waiting)
+        self.waiting.clear()
+        self.slots = [None] * self.max_num_seqs
+        now = time.perf_counter()
+        for seq in failed:
+            seq.slot = -1
+            if not seq.finished:
+                seq.finish_reason = "error"
+                seq.metrics.finished_time = now
+        return failed
+
+    def _release(self, seq: Sequence) -> None:
+        self.target.release(seq.slot)
+        if self.drafter is not None:
+            self.drafter.release(seq.slot)
+        self.slots[seq.slot] = None
+        seq.slot = -1
+
+    # ------------------------------------------------------------------ stop rules
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> None:
+        """Appends tokens one by one, ending the output at the first stop condition."""
+        p = seq.params
+        for t in tokens:
+            if seq.finished:
+                break
+            seq.output_ids.append(t)
+            seq.metrics.num_output_tokens = len(seq.output_ids)
+            if seq.detok is not None:
+                start = len(seq.text)
+                seq.detok.update([t])
+                seq.text = seq.detok.text
+                if p.stop and self._check_stop_strings(seq, start):
+                    break
+            if p.stop_token_ids and t in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", t
+            elif not p.ignore_eos and t in self.eos_token_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.output_ids) >= p.max_tokens:
+                seq.finish_reason = "length"
+            elif len(seq.prompt_token_ids) + len(seq.output_ids) >= self.max_model_len:
+                seq.finish_reason = "length"
+        if seq.finished:
+            seq.metrics.finished_time = time.perf_counter()
+
+    def _check_stop_strings(self, seq: Sequence, new_from: int) -> bool:
+        """Looks for a stop string overlapping the text added from `new_from` on."""
+        longest = max(len(s) for s in seq.params.stop)
+        lo = max(0, new_from - longest + 1)
+        hits = [(seq.text.find(s, lo), s) for s in seq.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        pos, s = min(hits)
+        seq.finish_reason, seq.stop_reason, seq.stop_text_end = "stop", s, pos
+        seq.metrics.finished_time = time.perf_counter()
+        return True

@@ -1,0 +1,141 @@
+"""User-facing configuration: how to sample (`SamplingParams`) and how to speculate
+(`SpeculativeConfig`). Both are frozen and validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each output token (vLLM's names and defaults).
+
+    temperature 0 is greedy decoding (ties break to the lowest token id). With
+    speculation the output distribution is exactly the target's under every
+    combination of these parameters.
+    """
+
+    temperature: float = 1.0  # 0 = greedy; otherwise logits are divided by it
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens with this much mass; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    min_p: float = 0.0  # drop tokens below min_p * p(most likely token); 0 = off
+    max_tokens: int = 16  # output tokens at most (never exceeded, even inside an accepted run)
+    stop: tuple[str, ...] | None = None  # stop strings; the text ends before the first found
+    stop_token_ids: tuple[int, ...] | None = None  # token ids that end the output (kept in it)
+    ignore_eos: bool = False  # keep generating past the model's EOS token
+    seed: int | None = None  # same seed -> same tokens, in any run and any batch
+    skip_special_tokens: bool = True  # leave special tokens out of `text`
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is not None:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be 0 (disable) or a positive integer, got {self.top_k}.")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.stop is not None:
+            for s in self.stop:
+                if not isinstance(s, str):
+                    raise ValueError(f"stop strings must be str, got {s!r}.")
+                if not s:
+                    raise ValueError("stop strings must be non-empty, got ''.")
+        if self.stop_token_ids is not None:
+            for t in self.stop_token_ids:
+                if not _is_int(t) or t < 0:
+                    raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}.")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+SpeculativeMethod = Literal["draft_model", "ngram"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the drafter grows each step's token tree.
+
+    Example: `SpeculativeConfig(method="draft_model", model="path/to/draft",
+    num_speculative_tokens=16, max_depth=6, topk=4)` grows up to 16 tree nodes,
+    at most 6 deep, expanding each chosen node into its 4 most likely children;
+    `topk=1` gives a chain of `min(num_speculative_tokens, max_depth)` tokens.
+    """
+
+    method: SpeculativeMethod = "draft_model"
+    model: str | None = None  # draft model folder (method="draft_model")
+    num_speculative_tokens: int | Literal["auto"] = "auto"  # tree nodes per step
+    max_depth: int = 6  # longest root-to-leaf path
+    topk: int = 4  # children per expanded node (1 = chain)
+    prompt_lookup_min: int = 2  # ngram: shortest suffix to match
+    prompt_lookup_max: int = 4  # ngram: longest suffix to match
+
+    def __post_init__(self):
+        if self.method not in ("draft_model", "ngram"):
+            raise ValueError(f"method must be 'draft_model' or 'ngram', got {self.method!r}.")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("method='draft_model' needs model=<draft model folder>.")
+        n = self.num_speculative_tokens
+        if n != "auto" and (not _is_int(n) or n < 1):
+            raise ValueError(f"num_speculative_tokens must be 'auto' or >= 1, got {n!r}.")
+        if not _is_int(self.max_depth) or self.max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {self.max_depth!r}.")
+        if not _is_int(self.topk) or self.topk < 1:
+            raise ValueError(f"topk must be >= 1, got {self.topk!r}.")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}."
+            )
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SpeculativeConfig:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields)
+        if unknown:
+            raise ValueError(
+                f"Unknown speculative_config keys {unknown}; allowed: {sorted(fields)}."
+            )
+        return cls(**d)
+
+
+def broadcast_params(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt (a single one is shared by all)."""
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(
+            f"The lengths of prompts ({n}) and sampling_params ({len(params)}) must be the same."
+        )
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p)}.")
+    return params

@@ -1,0 +1,341 @@
+"""The target worker: its model and KV cache, and the fused verify step.
+
+`ModelRunner` (kernels/kv_cache.py) owns one model's params, KV cache and
+per-slot committed lengths; the target worker and the model drafter each hold
+one (composition: neither inherits from the other). `TargetWorker` adds the verify step: the tree
+forward over `[root, node_0, ..., node_{N-1}]`, the target sampling
+distribution and the acceptance rule, all in one jitted call, then the commit.
+
+Slot bookkeeping (host side, numpy): `cache_lens[s]` committed tokens of slot s
+have K/V in the cache; the root (last committed token) does not yet. A verify
+step writes the root at `cache_lens[s]` and node i at `cache_lens[s] + 1 + i`;
+the commit keeps the root plus the accepted path and advances `cache_lens[s]`
+by `1 + num_accepted`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec.checkpoint import load_model
+from specdec.draft.base import DraftBatch, Drafter
+from specdec.draft.model import ModelDrafter
+from specdec.draft.ngram import NgramDrafter
+from specdec.kernels import transformer
+from specdec.kernels.config import ModelConfig
+from specdec.kernels.kv_cache import ModelRunner, kv_bucket
+from specdec.kernels.transformer import KVCache, Params
+from specdec.params import SpeculativeConfig
+from specdec.sizing import cached_plan, describe
+from specdec.verify import masks
+from specdec.verify.acceptance import ACCEPTANCE_RULES, Verdict, emitted_tokens, greedy_accept
+from specdec.verify.batch import SamplingBatch
+from specdec.verify.sampling import sample_from_uniform
+from specdec.verify.tree import ChildSampling
+
+logger = logging.getLogger(__name__)
+
+
+def tree_block(
+    roots: jax.Array,  # i32[B] last committed token of each row
+    tokens: jax.Array,  # i32[B, N] tree nodes (padding: any token)
+    parents: jax.Array,  # i32[B, N], -1 = child of root, < -1 = padding
+    cache_lens: jax.Array,  # i32[B]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Block tokens i32[B, N+1], positions i32[B, N+1] and mask bool[B, N+1, N+1].
+
+    Block index 0 is the root; node i is block index i + 1. Example: depths
+    [1, 1, 2] with 7 committed tokens -> positions [7, 8, 8, 9].
+    """
+    b, n = tokens.shape
+    valid = parents >= -1
+    anc = masks.ancestor_mask(parents)  # [B, N, N]
+    depth = masks.depths(parents)  # [B, N], padding 0
+    block_tokens = jnp.concatenate([roots[:, None], tokens], axis=1)
+    positions = cache_lens[:, None] + jnp.concatenate(
+        [jnp.zeros((b, 1), jnp.int32), depth.astype(jnp.int32)], axis=1
+    )
+    top = jnp.zeros((b, 1, n + 1), bool).at[:, 0, 0].set(True)
+    bottom = jnp.concatenate([valid[:, :, None], anc], axis=2)
+    return block_tokens, positions, jnp.concatenate([top, bottom], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "child_sampling", "kv_len"))
+def verify_step(
+    params: Params,
+    cache: KVCache,
+    roots: jax.Array,  # i32[B]
+    tokens: jax.Array,  # i32[B, N]
+    parents: jax.Array,  # i32[B, N], < -1 = padding
+    draft_probs: jax.Array | None,  # f32[B, N+1, V] q per node; None for top-k / n-gram trees
+    slots: jax.Array,  # i32[B], -1 = inactive row
+    cache_lens: jax.Array,  # i32[B]
+    sampling: SamplingBatch,
+    *,
+    cfg: ModelConfig,
+    child_sampling: ChildSampling,
+    kv_len: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Tree forward + acceptance, fused; the cache is only read.
+
+    Returns emitted i32[B, N+1], num_accepted i32[B], accepted_nodes i32[B, N] and
+    the block's K/V [L, B, N+1, K, hd]; `commit_path` then writes the kept part.
+
+    `emitted[b]` holds the accepted tokens then the bonus token, then -1. Greedy
+    rows (temperature 0) use the exact argmax walk; the others use the
+    stochastic rule registered for `child_sampling`.
+    """
+    b, n = tokens.shape
+    block, positions, mask = tree_block(roots, tokens, parents, cache_lens)
+    logits, ks, vs = transformer.block_logits_kv(
+        params, cache, block, positions, mask, slots, cache_lens, cfg=cfg, kv_len=kv_len
+    )
+    is_greedy = sampling.temperature == 0
+    argmax = jnp.argmax(logits, axis=-1)  # [B, N+1], lowest id on ties
+    if n == 0:  # plain decode: the bonus token is the only token
+
+        def draw(_):
+            u = sampling.uniforms(1)[:, 0]
+            return jax.vmap(sample_from_uniform)(sampling.probs(logits)[:, 0], u)
+
+        # Sorting the vocabulary for top-p only happens when some row samples.
+        sampled = jax.lax.cond(jnp.all(is_greedy), lambda _: argmax[:, 0], draw, None)
+        bonus = jnp.where(is_greedy, argmax[:, 0], sampled).astype(jnp.int32)
+        return bonus[:, None], jnp.zeros_like(bonus), jnp.zeros((b, 0), jnp.int32), ks, vs
+    greedy = jax.vmap(greedy_accept)(tokens, parents, argmax)
+
+    def stochastic(_):
+        rule = ACCEPTANCE_RULES[child_sampling]
+        p = sampling.probs(logits)  # [B, N+1, V]
+        return jax.vmap(rule)(tokens, parents, p, draft_probs, sampling.uniforms(n + 1))
+
+    sampled = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy, stochastic, None)
+    verdict = jax.tree.map(
+        lambda g, s: jnp.where(is_greedy.reshape((-1,) + (1,) * (g.ndim - 1)), g, s),
+        greedy,
+        sampled,
+    )
+    emitted = jax.vmap(emitted_tokens)(tokens, verdict)
+    return emitted, verdict.num_accepted, verdict.accepted_nodes, ks, vs
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def commit_path(
+    cache: KVCache,
+    ks: jax.Array,  # [L, B, N+1, K, hd] verify block K/V, block 0 = root
+    vs: jax.Array,
+    slots: jax.Array,  # i32[B], -1 = inactive
+    cache_lens: jax.Array,  # i32[B] committed tokens before the step
+    accepted_nodes: jax.Array,  # i32[B, N], -1 padded
+) -> KVCache:
+    """Writes the root and the accepted path's K/V at cache_lens, cache_lens + 1, ...
+
+    Example: accepted nodes [0, 2] -> block indices [0, 1, 3] (root, node 0, node 2).
+    """
+    root = jnp.zeros((accepted_nodes.shape[0], 1), accepted_nodes.dtype)  # N may be 0
+    keep = jnp.concatenate([root, jnp.maximum(accepted_nodes + 1, 0)], axis=1)
+    return transformer.write_kv(cache, ks, vs, slots, cache_lens, keep)
+
+
+@functools.partial(jax.jit)
+def sample_first(logits: jax.Array, sampling: SamplingBatch) -> jax.Array:
+    """First output token per row from last-prompt-token logits f32[B, V] -> i32[B]."""
+    p = sampling.probs(logits[:, None])[:, 0]
+    return jax.vmap(sample_from_uniform)(p, sampling.uniforms(1)[:, 0])
+
+
+KernelName = Literal["auto", "megakernel", "xla"]
+
+
+def resolve_kernel(kernel: str, cfg: ModelConfig) -> str:
+    """The verify backend `kernel` names: "auto" = the megakernel on TPU, XLA elsewhere.
+
+    MoE targets always take XLA under "auto"; asking for the megakernel is an error.
+    """
+    if kernel not in VERIFY_BACKENDS and kernel != "auto":
+        raise ValueError(f"kernel must be 'auto', 'megakernel' or 'xla', got {kernel!r}.")
+    if kernel == "auto":
+        return "megakernel" if jax.default_backend() == "tpu" and not cfg.is_moe else "xla"
+    if kernel == "megakernel" and cfg.is_moe:
+        raise ValueError(
+            f"kernel='megakernel' covers dense models only; {cfg.architecture.value} with "
+            f"{cfg.num_experts} experts needs kernel='xla' (or 'auto')."
+        )
+    return kernel
+
+
+def _verify_xla(r: ModelRunner, cfg, roots, tree: DraftBatch, slots, active, sampling):
+    """Jitted tree forward + acceptance, then one donated write of the kept K/V."""
+    n = tree.tokens.shape[1]
+    emitted, num, accepted, ks, vs = verify_step(
+        r.params, r.cache, roots, tree.tokens, tree.parents, tree.draft_probs, slots,
+        r.cache_lens.copy(),  # never hand jax a buffer we mutate later
+        sampling, cfg=cfg, child_sampling=tree.child_sampling,
+        kv_len=kv_bucket(int(r.cache_lens[active].max(initial=0)) + 2 + n, r.max_len),
+    )  # fmt: skip
+    r.cache = commit_path(r.cache, ks, vs, slots, r.cache_lens.copy(), accepted)
+    return emitted, num, accepted
+
+
+def _verify_megakernel(r: ModelRunner, cfg, roots, tree: DraftBatch, slots, active, sampling):
+    """The Pallas verify megakernel (interpret mode off TPU), then the K/V commit."""
+    from specdec.kernels import megakernel
+
+    n = tree.tokens.shape[1]
+    cache_lens = r.cache_lens.copy()
+    res = megakernel.verify(
+        r.params, r.cache, roots, tree.tokens, tree.parents, tree.draft_probs, slots,
+        cache_lens, sampling, sampling.uniforms(n + 1), cfg=cfg,
+        child_sampling=tree.child_sampling, interpret=jax.default_backend() != "tpu",
+    )  # fmt: skip
+    verdict = Verdict(res.accepted_nodes, res.num_accepted, res.bonus)
+    src = jnp.where(res.accepted_nodes >= 0, res.accepted_nodes + 1, 0)
+    r.cache = transformer.commit_kv(res.cache, slots, cache_lens, src, res.num_accepted)
+    emitted = jax.vmap(emitted_tokens)(tree.tokens, verdict)
+    return emitted, res.num_accepted, res.accepted_nodes
+
+
+# How the target verifies a tree: same inputs, same verdict (tests/test_megakernel.py).
+VERIFY_BACKENDS = {"xla": _verify_xla, "megakernel": _verify_megakernel}
+
+
+class TargetWorker:
+    """The target model: prefill, then fused verify-and-commit steps."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Params,
+        *,
+        num_slots: int,
+        max_model_len: int,
+        max_tree_nodes: int = 0,
+        prefill_chunk: int = 512,
+        kernel: KernelName = "auto",
+    ):
+        self.cfg = cfg
+        self.max_tree_nodes = max_tree_nodes
+        self.kernel = resolve_kernel(kernel, cfg)
+        self._verify = VERIFY_BACKENDS[self.kernel]
+        self.runner = ModelRunner(
+            cfg,
+            params,
+            num_slots=num_slots,
+            max_len=max_model_len + max_tree_nodes + 1,
+            prefill_chunk=prefill_chunk,
+            stacked=self.kernel == "megakernel",  # the kernel streams [L, ...] weights
+        )
+
+    @property
+    def cache_lens(self) -> np.ndarray:
+        return self.runner.cache_lens
+
+    def prefill(self, slots, prompts, sampling: SamplingBatch) -> np.ndarray:
+        """Prefills prompts into slots; returns each row's first output token (root)."""
+        logits = self.runner.prefill(slots, prompts)
+        return np.asarray(sample_first(logits, sampling))
+
+    def verify(
+        self,
+        roots: np.ndarray,  # i32[S]
+        tree: DraftBatch,
+        active: np.ndarray,  # bool[S]
+        sampling: SamplingBatch,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One verify + commit over all slots (row s = slot s).
+
+        Returns emitted i32[S, N+1] (accepted tokens, bonus, then -1),
+        num_accepted i32[S] and accepted_nodes i32[S, N] (-1 padded).
+        """
+        r = self.runner
+        slots = np.where(active, np.arange(r.num_slots, dtype=np.int32), -1).astype(np.int32)
+        emitted, num, accepted = self._verify(r, self.cfg, roots, tree, slots, active, sampling)
+        emitted, num, accepted = np.asarray(emitted), np.asarray(num), np.asarray(accepted)
+        r.cache_lens[active] += 1 + num[active]
+        return emitted, num, accepted
+
+    def release(self, slot: int) -> None:
+        self.runner.release(slot)
+
+
+# ----------------------------------------------------------------------------- drafters
+
+AUTO_NGRAM_NODES = 8  # n-gram trees are cheap to draft but rarely deep: a fixed budget
+
+
+def _vocab_limit(target_path, target_cfg: ModelConfig, draft_path, draft_cfg) -> int:
+    """Token ids both models may exchange; refuses drafts with another vocabulary.
+
+    Embedding tables may differ in trailing padding rows (ids no tokenizer
+    produces); the tokenizers themselves must be identical.
+    """
+    from specdec.tokenizer import Tokenizer
+
+    t_tok = Path(target_path, "tokenizer.json")
+    d_tok = Path(draft_path, "tokenizer.json")
+    vt, vd = target_cfg.vocab_size, draft_cfg.vocab_size
+    if t_tok.is_file() and d_tok.is_file():
+        tv = Tokenizer.from_pretrained(target_path).backend.get_vocab(with_added_tokens=True)
+        dv = Tokenizer.from_pretrained(draft_path).backend.get_vocab(with_added_tokens=True)
+        if tv != dv:
+            raise ValueError(
+                f"The draft's tokenizer differs from the target's (draft vocabulary "
+                f"{len(dv)} tokens, target {len(tv)}); speculative decoding needs the same "
+                "tokenizer."
+            )
+        if min(vt, vd) < len(tv):
+            raise ValueError(
+                f"Embedding rows (draft {vd}, target {vt}) must cover the tokenizer's "
+                f"{len(tv)} tokens."
+            )
+        return min(vt, vd)
+    if vt != vd:
+        raise ValueError(
+            f"The draft's vocabulary ({vd} tokens) differs from the target's ({vt}); "
+            "without tokenizer.json files only equal sizes are accepted."
+        )
+    return vt
+
+
+def _model_drafter(spec: SpeculativeConfig, *, target_path, target_config, num_slots,
+                   max_model_len, dtype):  # fmt: skip
+    draft_path = Path(spec.model)
+    if not draft_path.exists():
+        raise ValueError(f"Draft model path {spec.model!r} does not exist.")
+    cfg, params = load_model(draft_path, dtype=dtype)
+    limit = _vocab_limit(target_path, target_config, draft_path, cfg)
+    n, depth = spec.num_speculative_tokens, spec.max_depth
+    if n == "auto":  # sized for this machine from its measured verify-cost curve
+        plan = cached_plan(target_config, params["embed"].dtype)
+        logger.info("num_speculative_tokens='auto': %s", describe(plan))
+        n, depth = plan.num_nodes, plan.max_depth
+    return ModelDrafter(
+        cfg, params, num_slots=num_slots, max_model_len=max_model_len, num_nodes=n,
+        max_depth=depth, topk=spec.topk, vocab_limit=limit,
+    )  # fmt: skip
+
+
+def _ngram_drafter(spec: SpeculativeConfig, *, target_path, target_config, num_slots,
+                   max_model_len, dtype):  # fmt: skip
+    n = spec.num_speculative_tokens
+    n = AUTO_NGRAM_NODES if n == "auto" else n
+    return NgramDrafter(
+        num_slots=num_slots, num_nodes=n, max_depth=spec.max_depth, topk=spec.topk,
+        min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max,
+        vocab_size=target_config.vocab_size,
+    )  # fmt: skip
+
+
+DRAFTERS = {"draft_model": _model_drafter, "ngram": _ngram_drafter}
+
+
+def build_drafter(spec: SpeculativeConfig, **kwargs) -> Drafter:
+    """The drafter `spec.method` names, sized for the engine (see DRAFTERS)."""
+    return DRAFTERS[spec.method](spec, **kwargs)

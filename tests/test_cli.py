@@ -1,0 +1,50 @@
+"""`specdec generate`: streamed text, summary line, --json, clear errors."""
+
+import json
+
+import pytest
+from fixtures import tiny_pair
+
+from specdec.cli import main
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("cli"))
+
+
+def test_generate_streams_and_summarises(pair, capsys):
+    rc = main(["generate", "def fib(n):", "--model", str(pair), "--draft", str(pair),
+               "--max-tokens", "12", "--max-model-len", "64", "--ignore-eos"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.startswith("def fib(n):")
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("[12 tokens, ") and "tokens/s" in last
+    assert "acceptance length" in last and "acceptance rate" in last
+
+
+def test_generate_json_matches_api(pair, capsys):
+    from specdec import LLM, SamplingParams
+
+    argv = ["generate", "class Point:", "--model", str(pair), "--method", "ngram"]
+    rc = main(argv + ["--max-tokens", "10", "--max-model-len", "64", "--json", "--ignore-eos"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    llm = LLM(pair, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ref = llm.generate(["class Point:"], params, use_tqdm=False)
+    assert result["token_ids"] == ref[0].outputs[0].token_ids
+    assert result["text"] == ref[0].outputs[0].text
+    assert result["num_tokens"] == 10 and result["method"] == "ngram"
+
+
+def test_generate_bad_input_is_a_clear_error(pair, capsys):
+    rc = main(["generate", "x", "--model", str(pair), "--method", "none", "--top-p", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "top_p must be in (0, 1], got 2.0." in err
+    rc = main(["generate", "x", "--model", str(pair / "missing")])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
+    rc = main(["generate", "x", "--model", str(pair), "--method", "draft_model"])
+    assert rc == 2 and "needs --draft" in capsys.readouterr().err

@@ -1,0 +1,163 @@
+"""The distributed pieces without Ray: wire messages, actors driven in-process, overlap.
+
+`LocalEndpoint` runs each actor call at once in this process, so the
+coordinator, the message codec and the draft's speculative next tree are
+checked here fast and exactly; tests/test_cluster.py repeats the end-to-end
+checks on real Ray actors.
+"""
+
+import numpy as np
+import pytest
+from fixtures import tiny_pair
+from test_cluster import GREEDY, MAX_LEN, SPEC, noisy_copy
+
+from specdec import LLM, SamplingParams
+from specdec.cluster import messages as m
+from specdec.cluster.actors import DraftWorker, StaleIncarnation, TargetWorker
+from specdec.cluster.config import ClusterConfig, GroupConfig
+from specdec.cluster.remote import LocalEndpoint, RemoteDrafter, RemoteTarget, WorkerDown
+from specdec.draft.base import DraftBatch
+from specdec.draft.model import greedy_chain
+from specdec.engine import LLMEngine
+from specdec.verify.batch import SamplingBatch
+from specdec.verify.tree import ChildSampling
+
+# ----------------------------------------------------------------------------- messages
+
+
+def test_tree_message_roundtrip_pads_rows():
+    batch = DraftBatch.empty(3, 4)
+    batch.tokens[0, :3] = [17, 42, 5]
+    batch.parents[0, :3] = [-1, -1, 0]
+    batch.tokens[2, :4] = [1, 2, 3, 4]
+    batch.parents[2, :4] = [-1, 0, 1, 2]
+    active = np.array([True, False, True])
+    data = m.pack_tree(7, batch, active, {"hits": 1})
+    got, stats = m.unpack_tree(data, 7, num_slots=3, max_nodes=4, vocab_size=50)
+    assert stats == {"hits": 1}
+    np.testing.assert_array_equal(got.tokens, batch.tokens)
+    np.testing.assert_array_equal(got.parents, batch.parents)  # padding -2 restored
+    assert got.child_sampling is ChildSampling.DETERMINISTIC_TOPK and got.draft_probs is None
+    with pytest.raises(m.MessageError, match="round 7, expected 8"):
+        m.unpack_tree(data, 8, num_slots=3, max_nodes=4, vocab_size=50)
+    with pytest.raises(m.MessageError, match="pads to 4 nodes, expected 6"):
+        m.unpack_tree(data, 7, num_slots=3, max_nodes=6, vocab_size=50)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        m.unpack_tree(data, 7, num_slots=3, max_nodes=4, vocab_size=40)
+
+
+def test_verdict_and_sampling_roundtrip():
+    emitted = np.array([[3, 4, -1], [9, -1, -1]], np.int32)
+    num, acc = np.array([1, 0], np.int32), np.array([[0, -1], [-1, -1]], np.int32)
+    e2, n2, a2 = m.unpack_verdict(m.pack_verdict(3, emitted, num, acc), 3)
+    for x, y in ((emitted, e2), (num, n2), (acc, a2)):
+        np.testing.assert_array_equal(x, y)
+        assert y.dtype == np.int32
+    s = SamplingBatch.make_dummy(2)
+    s.temperature[1] = 0.7
+    s.seed[0] = 2**32 - 1
+    back = m.sampling_from(m.unpack(m.pack("x", 1, **m.sampling_fields(s)), "x"))
+    for k in ("temperature", "top_k", "top_p", "min_p", "seed", "counter"):
+        np.testing.assert_array_equal(getattr(s, k), getattr(back, k))
+        assert getattr(back, k).dtype == getattr(s, k).dtype
+    with pytest.raises(m.MessageError, match="expected a 'verdict' message"):
+        m.unpack_verdict(m.pack("ack", 3), 3)
+    with pytest.raises(m.MessageError, match="not a msgpack message"):
+        m.unpack(b"\xc1", "ack")
+
+
+def test_greedy_chain_by_hand():
+    # Row 0: root -> 0 -> 2 -> 4 (first children); row 1: padding only.
+    parents = np.array([[-1, -1, 0, 0, 2], [-2, -2, -2, -2, -2]], np.int32)
+    chain, length = greedy_chain(parents)
+    assert length.tolist() == [3, 0]
+    assert chain[0, :3].tolist() == [0, 2, 4] and (chain[1] == -1).all()
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="resources must be a non-empty map"):
+        GroupConfig({})
+    with pytest.raises(ValueError, match="max_restarts must be"):
+        GroupConfig({"CPU": 1}, max_restarts=-2)
+    with pytest.raises(ValueError, match="tpu_topology and accelerator_version go together"):
+        GroupConfig({"TPU": 4}, tpu_topology="2x2")
+    cc = ClusterConfig.local_cpu(target_devices=4)
+    assert cc.target.env_vars["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+    assert cc.target.resources == {"target_group": 1} and cc.draft.num_devices == 1
+    assert GroupConfig({"TPU": 4}, num_hosts=4).placement_strategy == "STRICT_SPREAD"
+
+
+# ----------------------------------------------------------------------------- in-process actors
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target = tiny_pair(tmp_path_factory.mktemp("target"))
+    return target, noisy_copy(target, tmp_path_factory.mktemp("x") / "draft", noise=0.05)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(1)
+    return [{"prompt_token_ids": rng.integers(0, 300, n).tolist()} for n in rng.integers(1, 40, 16)]
+
+
+@pytest.fixture(scope="module")
+def spec(models):
+    return {"method": "draft_model", "model": str(models[1]), **SPEC}
+
+
+def local_engine(models, spec, overlap):
+    dw = DraftWorker(spec, target_model=str(models[0]), dtype="float32", num_slots=8,
+                     max_model_len=MAX_LEN)  # fmt: skip
+    drafter = RemoteDrafter(LocalEndpoint("draft", [dw]), num_slots=8, vocab_size=320,
+                            overlap=overlap)  # fmt: skip
+    tw = TargetWorker(str(models[0]), dtype="float32", num_slots=8, max_model_len=MAX_LEN,
+                      max_tree_nodes=drafter.max_nodes)  # fmt: skip
+    target = RemoteTarget(LocalEndpoint("target", [tw]), num_slots=8,
+                          max_tree_nodes=drafter.max_nodes, vocab_size=320)  # fmt: skip
+    return LLMEngine(target, None, max_num_seqs=8, max_model_len=MAX_LEN, drafter=drafter)
+
+
+def run(engine, prompts, params):
+    seqs = [engine.add_request(str(i), None, p["prompt_token_ids"], params)
+            for i, p in enumerate(prompts)]  # fmt: skip
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [s.output_ids for s in seqs], engine.spec_metrics.as_dict()
+
+
+SEEDED = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=5, ignore_eos=True)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_remote_proxies_equal_in_process(models, spec, prompts, params):
+    llm = LLM(models[0], max_model_len=MAX_LEN, max_num_seqs=8, speculative_config=spec)
+    ref, ref_metrics = run(llm.engine, prompts, params)
+    for overlap in (False, True):
+        engine = local_engine(models, spec, overlap)
+        out, metrics = run(engine, prompts, params)
+        assert out == ref
+        stats = engine.drafter.overlap_stats()
+        if overlap:
+            assert stats["misses"] > 0  # rollbacks happened, and changed nothing
+            assert stats["hits"] > 0 or params.temperature > 0  # sampled runs rarely hit
+            print(f"\n{params.temperature=}: overlap hit rate {stats['hit_rate']:.2f}")
+        else:
+            assert stats["hits"] == stats["misses"] == 0
+        # A hit reuses exactly the tree the draft would have grown afterwards.
+        assert metrics["acceptance_length"] == pytest.approx(ref_metrics["acceptance_length"])
+
+
+def test_stale_incarnation_and_old_rounds_are_refused(models, spec):
+    engine = local_engine(models, spec, overlap=True)
+    target = engine.target
+    msg = m.pack("release", 5, incarnation="an-earlier-actor", slot=0)
+    with pytest.raises(WorkerDown, match="restarted"):
+        target.endpoint.result(target.endpoint.submit("release", msg))
+    actor = target.endpoint.handles[0]
+    with pytest.raises(StaleIncarnation):
+        actor.release(msg)
+    actor.release(m.pack("release", 5, incarnation=target.incarnation, slot=0))
+    with pytest.raises(m.MessageError, match="round 4 after round 5"):
+        actor.release(m.pack("release", 4, incarnation=target.incarnation, slot=0))

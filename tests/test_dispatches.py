@@ -1,0 +1,55 @@
+"""A speculative step in-process costs three jitted dispatches: grow, verify, commit.
+
+Counts calls of the module-level jitted functions the engine reaches (the draft's
+K/V commit runs inside the next `_grow`, so it adds none).
+"""
+
+import collections
+import functools
+
+import numpy as np
+from fixtures import tiny_pair
+
+from specdec import LLM, SamplingParams, workers
+from specdec.draft import model as draft_model
+from specdec.kernels import transformer
+
+
+def test_three_dispatches_per_step(tmp_path, monkeypatch):
+    target = tiny_pair(tmp_path / "t")
+    spec = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 8,
+            "max_depth": 4, "topk": 2}  # fmt: skip
+    llm = LLM(target, max_model_len=96, max_num_seqs=4, speculative_config=spec)
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(0, 300, n).tolist()} for n in (3, 9, 17, 30)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # compile
+
+    calls = collections.Counter()
+
+    def counted(module, name):
+        fn = getattr(module, name)
+
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    counted(draft_model, "_grow")
+    counted(workers, "verify_step")
+    counted(workers, "commit_path")
+    counted(transformer, "commit_kv")
+    # Admission (prefill) is not a step: start every request, then count only steps.
+    for i, p in enumerate(prompts):
+        llm.engine.add_request(f"d{i}", None, p["prompt_token_ids"], params)
+    llm.engine.step()  # admits and runs the first step
+    calls.clear()
+    steps = 0
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        steps += 1
+    assert steps > 2
+    assert calls["verify_step"] == calls["_grow"] == calls["commit_path"] == steps
+    assert calls["commit_kv"] == 0  # the draft's commit rode along in `_grow`

@@ -1,0 +1,99 @@
+"""Drafters on their own: tree shapes, n-gram lookup by hand, vocabulary checks, sizing."""
+
+import json
+
+import numpy as np
+import pytest
+from fixtures import tiny_config, tiny_pair, write_model, write_tokenizer
+
+from specdec import LLM
+from specdec.draft.ngram import NgramDrafter
+from specdec.sizing import CANDIDATES, plan_tree
+from specdec.verify.batch import SamplingBatch
+
+
+def test_ngram_continuations_by_hand():
+    # history a b c x y a b c z w a b c (a=1 b=2 c=3 x=4 y=5 z=6 w=7): suffix "a b c"
+    # occurred at 5 (then z w a b c) and at 0 (then x y a b c); most recent first.
+    d = NgramDrafter(num_slots=1, num_nodes=8, max_depth=3, topk=2, min_n=2, max_n=3)
+    hist = [1, 2, 3, 4, 5, 1, 2, 3, 6, 7, 1, 2, 3]
+    assert d.continuations(hist) == [[6, 7, 1], [4, 5, 1]]
+    d.start([0], [hist[:-1]], [hist[-1]])
+    batch = d.propose(np.array([True]), np.array([3]), SamplingBatch.make_dummy(1))
+    # Trie: z(0) -> w(1) -> a(2); x(3) -> y(4) -> a(5).
+    assert batch.tokens[0, :6].tolist() == [6, 7, 1, 4, 5, 1]
+    assert batch.parents[0].tolist() == [-1, 0, 1, -1, 3, 4, -2, -2]
+
+
+def test_ngram_respects_budget_and_width():
+    d = NgramDrafter(num_slots=1, num_nodes=3, max_depth=4, topk=1, min_n=1, max_n=2)
+    hist = [9, 1, 2, 3, 4, 9, 1, 5, 6, 9]
+    d.start([0], [hist[:-1]], [hist[-1]])
+    b = d.propose(np.array([True]), np.array([9]), SamplingBatch.make_dummy(1))
+    assert b.num_nodes[0] == 3  # budget
+    assert b.parents[0].tolist() == [-1, 0, 1]  # topk=1: a chain (most recent match)
+    assert b.tokens[0].tolist() == [1, 5, 6]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.mark.parametrize(("nodes", "depth", "topk"), [(1, 1, 1), (6, 6, 1), (10, 3, 3), (7, 4, 2)])
+def test_model_drafter_trees_are_valid(pair, nodes, depth, topk):
+    spec = {"method": "draft_model", "model": str(pair), "num_speculative_tokens": nodes,
+            "max_depth": depth, "topk": topk}  # fmt: skip
+    llm = LLM(pair, max_model_len=64, max_num_seqs=2, speculative_config=spec)
+    drafter = llm.engine.drafter
+    drafter.start([0], [[5, 6, 7]], [8])
+    active = np.array([True, False])
+    b = drafter.propose(active, np.array([8, 0]), SamplingBatch.make_dummy(2))
+    par = b.parents[0]
+    assert b.num_nodes[0] == drafter.max_nodes == min(nodes, topk + (depth - 1) * topk**2)
+    assert (b.parents[1] == -2).all()  # inactive row is all padding
+    depths = []
+    for i, p in enumerate(par):
+        assert -1 <= p < i  # topological
+        depths.append(1 if p == -1 else depths[p] + 1)
+    assert max(depths) <= depth
+    for parent in set(par.tolist()):  # siblings carry distinct tokens (top-k)
+        kids = b.tokens[0][par == parent]
+        assert len(set(kids.tolist())) == len(kids) <= topk
+    # The greedy chain is always present: depth min(depth, nodes) is reached.
+    assert max(depths) == min(depth, nodes)
+
+
+def test_draft_with_other_tokenizer_is_refused(tmp_path, pair):
+    other = tmp_path / "other"
+    v = write_tokenizer(other, vocab_size=290)
+    write_model(other, tiny_config(v))
+    with pytest.raises(ValueError, match=r"draft vocabulary 290 tokens, target 320"):
+        LLM(pair, speculative_config={"method": "draft_model", "model": str(other)})
+
+
+def test_draft_with_padding_rows_is_accepted(tmp_path, pair):
+    padded = tmp_path / "padded"
+    write_tokenizer(padded)  # the same tokenizer (same corpus, same trainer)
+    write_model(padded, tiny_config(384))  # 64 trailing padding rows
+    spec = {"method": "draft_model", "model": str(padded), "num_speculative_tokens": 4}
+    llm = LLM(pair, max_model_len=64, speculative_config=spec)
+    assert llm.engine.drafter.vocab_limit == 320
+
+
+def test_draft_without_tokenizers_needs_equal_sizes(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_model(a, tiny_config(100))
+    write_model(b, tiny_config(120))
+    with pytest.raises(ValueError, match=r"draft's vocabulary \(120 tokens\) differs from the "
+                                         r"target's \(100\)"):  # fmt: skip
+        LLM(a, speculative_config={"method": "draft_model", "model": str(b)})
+
+
+def test_plan_tree_picks_a_candidate_with_monotone_costs():
+    plan = plan_tree(tiny_config(320))
+    assert (plan.num_nodes, plan.max_depth) in {(n, d) for n, d, _ in CANDIDATES}
+    costs = [plan.cost[n] for n, _, _ in CANDIDATES]
+    assert costs == sorted(costs) and costs[0] >= 1.0
+    assert plan.score[plan.num_nodes] == max(plan.score.values())
+    json.dumps(plan.cost)  # reportable

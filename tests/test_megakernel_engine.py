@@ -1,0 +1,67 @@
+"""`LLM(kernel=...)`: the megakernel (Pallas interpret mode on CPU) through the engine."""
+
+import numpy as np
+import pytest
+from fixtures import tiny_config, tiny_pair, write_model
+
+from specdec import LLM, SamplingParams
+from specdec.kernels.config import Architecture
+
+MAX_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(5)
+    return [{"prompt_token_ids": rng.integers(0, 300, n).tolist()} for n in rng.integers(1, 40, 20)]
+
+
+def generate(target_dir, prompts, kernel, spec, params):
+    llm = LLM(target_dir, max_model_len=MAX_LEN, max_num_seqs=8, speculative_config=spec,
+              kernel=kernel)  # fmt: skip
+    assert llm.engine.target.kernel == kernel
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.slow
+def test_greedy_megakernel_equals_xla_on_20_prompts(target_dir, prompts):
+    spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 8,
+            "max_depth": 4, "topk": 2}  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    xla = generate(target_dir, prompts, "xla", spec, greedy)
+    mega = generate(target_dir, prompts, "megakernel", spec, greedy)
+    assert mega == xla
+    assert all(len(t) == 16 for t in mega)
+
+
+def test_plain_and_sampled_decode_match(target_dir, prompts):
+    """No drafter (N = 0 nodes) and seeded sampling rows: same tokens on both backends."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=6, ignore_eos=True)
+    assert generate(target_dir, prompts[:4], "megakernel", None, params) == generate(
+        target_dir, prompts[:4], "xla", None, params
+    )
+
+
+def test_auto_is_xla_on_cpu(target_dir):
+    llm = LLM(target_dir, max_model_len=MAX_LEN, max_num_seqs=1)
+    assert llm.engine.target.kernel == "xla"
+
+
+def test_kernel_errors(target_dir, tmp_path):
+    with pytest.raises(
+        ValueError, match="kernel must be 'auto', 'megakernel' or 'xla', got 'cuda'"
+    ):
+        LLM(target_dir, max_model_len=MAX_LEN, kernel="cuda")
+    moe = tiny_config(
+        architecture=Architecture.QWEN3_MOE, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, qk_norm=True,
+    )  # fmt: skip
+    write_model(tmp_path / "moe", moe)
+    with pytest.raises(ValueError, match="dense models only.*kernel='xla'"):
+        LLM(tmp_path / "moe", max_model_len=MAX_LEN, kernel="megakernel")
+    assert LLM(tmp_path / "moe", max_model_len=MAX_LEN).engine.target.kernel == "xla"

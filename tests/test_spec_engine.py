@@ -1,0 +1,275 @@
+"""Speculative decoding through LLM.generate: exactness, acceptance, seeds, stop rules."""
+
+import math
+
+import numpy as np
+import pytest
+from fixtures import tiny_config, tiny_pair, write_model
+
+from specdec import LLM, SamplingParams
+
+MAX_LEN = 96
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="module")
+def unrelated_dir(tmp_path_factory):
+    """Same tokenizer, independent random weights."""
+    return tiny_pair(tmp_path_factory.mktemp("unrelated"), seed=7)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 40, 100)
+    return [{"prompt_token_ids": rng.integers(0, 300, n).tolist()} for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(target_dir, prompts):
+    llm = LLM(target_dir, max_model_len=MAX_LEN, max_num_seqs=8)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def spec_llm(target_dir, draft_dir=None, **spec):
+    if draft_dir is not None:
+        spec = {"method": "draft_model", "model": str(draft_dir), **spec}
+    return LLM(target_dir, max_model_len=MAX_LEN, max_num_seqs=8, speculative_config=spec)
+
+
+SHAPES = {
+    "model_chain": dict(num_speculative_tokens=5, max_depth=5, topk=1),
+    "model_tree": dict(num_speculative_tokens=16, max_depth=5, topk=3),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_greedy_equality_identical_draft(target_dir, prompts, reference, shape):
+    llm = spec_llm(target_dir, target_dir, **SHAPES[shape])
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert out == reference
+    m = llm.get_metrics()
+    k = SHAPES[shape]["max_depth"]
+    # Draft == target: every chain token is accepted.
+    assert m["acceptance_length"] >= 0.98 * (k + 1)
+    if shape == "model_chain":
+        assert m["acceptance_rate"] >= 0.98
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_greedy_equality_unrelated_draft(target_dir, unrelated_dir, prompts, reference, shape):
+    llm = spec_llm(target_dir, unrelated_dir, **SHAPES[shape])
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert out == reference
+    assert llm.get_metrics()["acceptance_rate"] < 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("max_depth", "topk"), [(4, 1), (4, 3)])
+def test_greedy_equality_ngram(target_dir, prompts, reference, max_depth, topk):
+    llm = spec_llm(
+        target_dir, method="ngram", num_speculative_tokens=8, max_depth=max_depth, topk=topk
+    )
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert out == reference
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+def test_tree_reaches_chain_acceptance_length(target_dir, prompts):
+    few = prompts[:8]
+    chain = spec_llm(target_dir, target_dir, num_speculative_tokens=4, max_depth=4, topk=1)
+    tree = spec_llm(target_dir, target_dir, num_speculative_tokens=12, max_depth=4, topk=3)
+    chain.generate(few, GREEDY, use_tqdm=False)
+    tree.generate(few, GREEDY, use_tqdm=False)
+    assert tree.get_metrics()["acceptance_length"] >= chain.get_metrics()["acceptance_length"]
+
+
+# ----------------------------------------------------------------------------- stop rules
+
+
+@pytest.fixture(scope="module")
+def spec_and_ref(target_dir, prompts, reference):
+    return spec_llm(target_dir, target_dir, **SHAPES["model_tree"]), prompts[:6], reference[:6]
+
+
+def test_eos_inside_accepted_run(spec_and_ref):
+    llm, ps, ref = spec_and_ref
+    for p, r in zip(ps, ref, strict=True):
+        eos = r[3]  # inside the first accepted run (acceptance length 6 here)
+        llm.engine.eos_token_ids = frozenset([eos])
+        out = llm.generate([p], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == r[: r.index(eos) + 1]
+        assert out[0].outputs[0].finish_reason == "stop"
+    llm.engine.eos_token_ids = frozenset()
+
+
+def test_stop_token_inside_accepted_run(spec_and_ref):
+    llm, ps, ref = spec_and_ref
+    for p, r in zip(ps, ref, strict=True):
+        stop = r[2]
+        params = SamplingParams(
+            temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop]
+        )
+        out = llm.generate([p], params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == r[: r.index(stop) + 1]
+        assert out.stop_reason == stop
+
+
+def test_stop_string_spanning_accepted_tokens(target_dir):
+    llm = spec_llm(target_dir, target_dir, **SHAPES["model_tree"])
+    tok = llm.tokenizer
+    prompt = "def fib(n):"
+    r = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    full = tok.decode(r)
+    for k in range(2, len(r) - 1):  # first clean boundary between tokens k-1 and k
+        left, both = tok.decode(r[:k]), tok.decode(r[: k + 1])
+        if left and len(both) > len(left) and full.startswith(both):
+            stop = left[-1] + both[len(left)]
+            if "\ufffd" not in stop:
+                break
+    n = next(j for j in range(1, len(r) + 1) if stop in tok.decode(r[:j]))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == r[:n]
+    assert out.text == full[: full.index(stop)]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 9])
+def test_max_tokens_never_exceeded(spec_and_ref, max_tokens):
+    llm, ps, ref = spec_and_ref
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for o, r in zip(llm.generate(ps, params, use_tqdm=False), ref, strict=True):
+        assert o.outputs[0].token_ids == r[:max_tokens]
+        assert o.outputs[0].finish_reason == "length"
+    sampled = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=3)
+    for o in llm.generate(ps, sampled, use_tqdm=False):
+        assert len(o.outputs[0].token_ids) == max_tokens
+
+
+# ----------------------------------------------------------------------------- seeds
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_seeded_determinism_and_batch_invariance(target_dir, unrelated_dir, prompts, method):
+    if method == "draft_model":
+        llm = spec_llm(target_dir, unrelated_dir, **SHAPES["model_tree"])
+    else:
+        llm = spec_llm(target_dir, method="ngram", num_speculative_tokens=8, topk=2)
+    p = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, max_tokens=16, seed=77)
+    alone = llm.generate([prompts[0]], p, use_tqdm=False)[0].outputs[0].token_ids
+    for _ in range(20):
+        assert llm.generate([prompts[0]], p, use_tqdm=False)[0].outputs[0].token_ids == alone
+    others = [SamplingParams(temperature=1.0, max_tokens=16, seed=s) for s in range(7)]
+    batch = llm.generate(prompts[1:4] + [prompts[0]] + prompts[4:8], others[:3] + [p] + others[3:])
+    assert batch[3].outputs[0].token_ids == alone
+
+
+# ----------------------------------------------------------------------------- distribution
+
+
+def chi2_sf(stat: float, dof: int) -> float:
+    from jax.scipy.special import gammaincc
+
+    return float(gammaincc(dof / 2.0, stat / 2.0))
+
+
+def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square, cells with expected count < 5 pooled into one."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return chi2_sf(stat, int(keep.sum()) - 1)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory):
+    """Vocabulary 24, peaky target; draft = the same weights less peaky (partial agreement)."""
+    root = tmp_path_factory.mktemp("small")
+    cfg = tiny_config(24, num_layers=1)
+    target = write_model(root / "t", cfg, seed=3, scale=60.0)
+    draft = write_model(root / "d", cfg, seed=3, scale=30.0)
+    return target, draft
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_k=8, top_p=0.9),
+        dict(temperature=1.5, min_p=0.05),
+    ],
+)
+def test_first_two_tokens_match_target_marginals(small_vocab_pair, params):
+    """>= 5k seeded requests through LLM.generate with a real draft model."""
+    import jax.numpy as jnp
+
+    from specdec.kernels.transformer import prefill_logits
+    from specdec.verify.sampling import sampling_probs
+
+    target_dir, draft_dir = small_vocab_pair
+    llm = LLM(
+        target_dir, max_model_len=32, max_num_seqs=64,
+        speculative_config={"method": "draft_model", "model": str(draft_dir),
+                            "num_speculative_tokens": 8, "max_depth": 3, "topk": 2},
+    )  # fmt: skip
+    prompt = [3, 1, 4, 1, 5]
+    n = 5000
+    sp = [SamplingParams(max_tokens=2, ignore_eos=True, seed=i, **params) for i in range(n)]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n, sp, use_tqdm=False)
+    toks = np.array([o.outputs[0].token_ids for o in outs])
+    assert toks.shape == (n, 2)
+    assert llm.get_metrics()["num_accepted_tokens"] > 0.05 * n  # drafts were accepted
+
+    # Exact marginals from the target's own logits.
+    v = llm.config.vocab_size
+    from specdec.checkpoint import load_model
+
+    cfg, weights = load_model(target_dir)
+    seqs = np.array([prompt + [t] for t in range(v)])
+    logits = prefill_logits(weights, cfg, seqs, np.full(v, len(prompt) + 1))
+    probs = lambda lg: np.asarray(  # noqa: E731
+        sampling_probs(
+            lg, jnp.float32(params.get("temperature", 1.0)), jnp.int32(params.get("top_k", 0)),
+            jnp.float32(params.get("top_p", 1.0)), jnp.float32(params.get("min_p", 0.0)),
+        )
+    )  # fmt: skip
+    p1 = probs(logits[0, len(prompt) - 1])  # [V]
+    p2_given = probs(logits[:, len(prompt)])  # [V, V]
+    p2 = p1 @ p2_given
+    c1 = np.bincount(toks[:, 0], minlength=v)
+    c2 = np.bincount(toks[:, 1], minlength=v)
+    assert chi2_pvalue(c1, p1) > 1e-3
+    assert chi2_pvalue(c2, p2) > 1e-3
+    # And the total-variation distance is at noise level.
+    assert 0.5 * np.abs(c2 / n - p2).sum() < 3 * math.sqrt(v / n)
+
+
+def test_metrics_per_call_and_running_totals(target_dir, prompts):
+    llm = spec_llm(target_dir, target_dir, num_speculative_tokens=4, max_depth=4, topk=1)
+    outs = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
+    call = llm.last_generate_metrics
+    total = llm.get_metrics()
+    per_request = sum(o.metrics.spec.num_accepted_tokens for o in outs)
+    assert call["num_accepted_tokens"] == total["num_accepted_tokens"] == per_request
+    assert call["num_output_tokens"] == 3 * 24 and call["tokens_per_s"] > 0
+    assert call["mean_ttft"] >= 0 and call["mean_tpot"] >= 0
+    # Chain of 4 with draft == target: every step accepts 4 and adds the bonus token.
+    assert call["acceptance_length"] == 5.0
+    assert call["per_position_acceptance_rate"] == [1.0, 1.0, 1.0, 1.0]
+    llm.generate(prompts[3:4], GREEDY, use_tqdm=False)
+    assert (
+        llm.get_metrics()["num_drafts"]
+        == total["num_drafts"] + llm.last_generate_metrics["num_drafts"]
+    )

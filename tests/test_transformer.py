@@ -1,0 +1,146 @@
+"""The reference transformer's tree forward and KV commit against plain decoding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specdec.kernels import transformer as T
+from specdec.kernels.config import Architecture, ModelConfig
+from specdec.workers import tree_block
+
+CONFIGS = {
+    "llama_gqa": ModelConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=8,
+    ),
+    "qwen3_kv1": ModelConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+        num_kv_heads=1, head_dim=12, architecture=Architecture.QWEN3, qk_norm=True,
+    ),
+    "mistral_window": ModelConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=2,
+        num_kv_heads=2, head_dim=16, architecture=Architecture.MISTRAL, sliding_window=5,
+    ),
+}  # fmt: skip
+
+
+def random_tree(rng: np.random.Generator, n: int) -> np.ndarray:
+    """parents i32[n] in topological order, -1 = child of root."""
+    return np.array([rng.integers(-1, i) for i in range(n)], np.int32)
+
+
+MAX_LEN = 32  # one cache size everywhere, so each config compiles each shape once
+
+
+def decode_path_logits(params, cfg, prompt, path_tokens):
+    """Logits after each token of `path_tokens`, fed one at a time after the prompt."""
+    cache = T.KVCache.create(cfg, 1, MAX_LEN)
+    one = jnp.ones((1, 1, 1), bool)
+    slots = jnp.zeros(1, jnp.int32)
+    n = len(prompt)
+    tokens = jnp.asarray([prompt], jnp.int32)
+    positions = jnp.arange(n, dtype=jnp.int32)[None]
+    mask = T.causal_block_mask(jnp.array([n]), n)
+    _, cache = T.forward_block(
+        params, cache, tokens, positions, mask, slots, jnp.zeros(1, jnp.int32), cfg=cfg
+    )
+    out = []
+    for i, t in enumerate(path_tokens):
+        pos = jnp.array([[n + i]], jnp.int32)
+        logits, cache = T.forward_block(
+            params, cache, jnp.array([[t]], jnp.int32), pos, one, slots,
+            jnp.array([n + i], jnp.int32), cfg=cfg,
+        )  # fmt: skip
+        out.append(np.asarray(logits[0, 0]))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_forward_matches_path_decode(name, seed):
+    cfg = CONFIGS[name]
+    rng = np.random.default_rng(seed)
+    params = T.init_params(cfg, jax.random.key(seed))
+    prompt_len, n = 6, 10
+    prompt = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
+    committed, root = prompt[:-1], prompt[-1]
+    parents = random_tree(rng, n)
+    tokens = rng.integers(0, cfg.vocab_size, n).astype(np.int32)
+
+    # Tree forward over [root, nodes] after prefilling the committed tokens.
+    cache = T.KVCache.create(cfg, 2, MAX_LEN)
+    cache = cache.__class__(k=cache.k.at[:].set(jnp.nan), v=cache.v.at[:].set(jnp.nan))
+    slots = jnp.array([1], jnp.int32)  # a non-zero slot, NaN everywhere unused
+    c = len(committed)
+    _, cache = T.forward_block(
+            params, cache, jnp.asarray([committed], jnp.int32),
+            jnp.arange(c, dtype=jnp.int32)[None], T.causal_block_mask(jnp.array([c]), c),
+            slots, jnp.zeros(1, jnp.int32), cfg=cfg,
+        )  # fmt: skip
+    block, positions, mask = tree_block(
+        jnp.array([root], jnp.int32), jnp.asarray(tokens[None]), jnp.asarray(parents[None]),
+        jnp.array([c], jnp.int32),
+    )  # fmt: skip
+    logits, _ = T.forward_block(
+        params, cache, block, positions, mask, slots, jnp.array([c], jnp.int32), cfg=cfg
+    )
+    logits = np.asarray(logits[0])
+    assert np.isfinite(logits).all()
+
+    # Each node's logits equal decoding its root-to-node path one token at a time.
+    path_logits = decode_path_logits(params, cfg, committed, [root])
+    np.testing.assert_allclose(logits[0], path_logits[0], atol=1e-5, rtol=0)
+    for i in range(n):
+        path, j = [], i
+        while j >= 0:
+            path.append(int(tokens[j]))
+            j = int(parents[j])
+        ref = decode_path_logits(params, cfg, committed, [root] + path[::-1])[-1]
+        np.testing.assert_allclose(logits[i + 1], ref, atol=1e-5, rtol=0)
+
+
+def test_commit_kv_keeps_accepted_path():
+    """After commit, decoding continues exactly as if the path had been decoded."""
+    cfg = CONFIGS["llama_gqa"]
+    params = T.init_params(cfg, jax.random.key(3))
+    rng = np.random.default_rng(3)
+    committed = rng.integers(0, cfg.vocab_size, 5).tolist()
+    root = 7
+    parents = np.array([-1, -1, 0, 1, 2, 2], np.int32)
+    tokens = np.array([11, 12, 13, 14, 15, 16], np.int32)
+    accepted = [0, 2, 5]  # path root -> 11 -> 13 -> 16
+    c = len(committed)
+    cache = T.KVCache.create(cfg, 1, MAX_LEN)
+    slots = jnp.zeros(1, jnp.int32)
+    _, cache = T.forward_block(
+        params, cache, jnp.asarray([committed], jnp.int32),
+        jnp.arange(c, dtype=jnp.int32)[None], T.causal_block_mask(jnp.array([c]), c),
+        slots, jnp.zeros(1, jnp.int32), cfg=cfg,
+    )  # fmt: skip
+    block, positions, mask = tree_block(
+        jnp.array([root], jnp.int32), jnp.asarray(tokens[None]), jnp.asarray(parents[None]),
+        jnp.array([c], jnp.int32),
+    )  # fmt: skip
+    _, cache = T.forward_block(
+        params, cache, block, positions, mask, slots, jnp.array([c], jnp.int32), cfg=cfg
+    )
+    src = jnp.array([[a + 1 for a in accepted] + [0, 0, 0]], jnp.int32)
+    cache = T.commit_kv(cache, slots, jnp.array([c], jnp.int32), src, jnp.array([3]))
+    # Next token after the path, from the committed cache (c + 1 + 3 entries).
+    nxt = 21
+    logits, _ = T.forward_block(
+        params, cache, jnp.array([[nxt]], jnp.int32), jnp.array([[c + 4]], jnp.int32),
+        jnp.ones((1, 1, 1), bool), slots, jnp.array([c + 4], jnp.int32), cfg=cfg,
+    )  # fmt: skip
+    ref = decode_path_logits(params, cfg, committed, [root, 11, 13, 16, nxt])[-1]
+    np.testing.assert_allclose(np.asarray(logits[0, 0]), ref, atol=1e-5, rtol=0)
+
+
+def test_forward_train_matches_prefill():
+    cfg = CONFIGS["qwen3_kv1"]
+    params = T.init_params(cfg, jax.random.key(0))
+    toks = jax.random.randint(jax.random.key(1), (2, 9), 0, cfg.vocab_size)
+    a = T.forward_train(params, cfg, toks)
+    b = T.prefill_logits(params, cfg, toks, jnp.array([9, 9]))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)

@@ -1,0 +1,52 @@
+"""Per-row sampling parameters of a batch, as flat arrays (pure data + jnp)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .sampling import request_key, sampling_probs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters and randomness for one batched call.
+
+    The key of row b is `fold_in(key(seed[b]), counter[b])`, so a seeded request
+    draws the same numbers alone or inside any batch.
+    """
+
+    temperature: jax.Array  # f32[B], 0 = greedy
+    top_k: jax.Array  # i32[B], 0 = off
+    top_p: jax.Array  # f32[B], 1 = off
+    min_p: jax.Array  # f32[B], 0 = off
+    seed: jax.Array  # u32[B]
+    counter: jax.Array  # i32[B], output tokens the request already has
+
+    @classmethod
+    def make_dummy(cls, batch: int) -> SamplingBatch:
+        """Greedy rows, seed 0: for tests and padding."""
+        return cls(
+            temperature=np.zeros(batch, np.float32),
+            top_k=np.zeros(batch, np.int32),
+            top_p=np.ones(batch, np.float32),
+            min_p=np.zeros(batch, np.float32),
+            seed=np.zeros(batch, np.uint32),
+            counter=np.zeros(batch, np.int32),
+        )
+
+    def probs(self, logits: jax.Array) -> jax.Array:
+        """Target distribution per row: logits f32[B, M, V] -> f32[B, M, V]."""
+        col = lambda a: a[:, None]  # noqa: E731
+        return sampling_probs(
+            logits, col(self.temperature), col(self.top_k), col(self.top_p), col(self.min_p)
+        )
+
+    def uniforms(self, n: int) -> jax.Array:
+        """f32[B, n] uniforms from each row's own key."""
+        keys = jax.vmap(request_key)(self.seed, self.counter)
+        return jax.vmap(lambda k: jax.random.uniform(k, (n,), jnp.float32))(keys)
