@@ -80,6 +80,7 @@ def test_prefill_logits_match_hf(hf_zoo, name):
         row = got[b, : len(prompt)]
         assert np.isfinite(row).all(), f"row {b} (length {len(prompt)}) has non-finite logits"
         errors.append(float(np.abs(row - want).max()))
+    print(f"{name}: max |prefill_logits - HF| = {max(errors):.2e}")  # shown with pytest -s
     assert max(errors) <= LOGIT_ATOL, (
         f"{name}: max |prefill_logits - HF| per row (lengths {PREFILL_LENGTHS}) = {errors}"
     )
