@@ -3,9 +3,12 @@
 transformers (torch CPU, same thread count as XLA here) runs greedy AR and
 assisted generation (`assistant_model=` the draft); specdec runs AR and tree
 speculation. All at batch 1, greedy, 128 new tokens; every output is checked
-against transformers' greedy AR.
+against transformers' greedy AR. Both sides run in one dtype (`--dtype`, default
+float32, where the two compute the same numbers and greedy outputs must match;
+in bfloat16 transformers also keeps activations in bfloat16 and specdec keeps
+them in float32, so a near-tie may resolve differently).
 
-    python benchmarks/bench_hf.py [--num-prompts 8] [--json results.json]
+    python benchmarks/bench_hf.py [--num-prompts 8] [--dtype float32] [--json results.json]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def main() -> None:
     ap.add_argument("--tree-nodes", type=int, default=16)
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -38,8 +42,9 @@ def main() -> None:
     torch.set_num_threads(threads)
     prompts = heldout_prompts(args.num_prompts)
     tok = transformers.AutoTokenizer.from_pretrained(args.target)
-    target = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
-    draft = transformers.AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32)
+    tdtype = getattr(torch, args.dtype)
+    target = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=tdtype)
+    draft = transformers.AutoModelForCausalLM.from_pretrained(args.draft, dtype=tdtype)
     target.eval()
     draft.eval()
     ids = [tok(p, return_tensors="pt").input_ids for p in prompts]
@@ -57,7 +62,8 @@ def main() -> None:
         return outs, t.seconds
 
     def ours(spec):
-        llm = LLM(args.target, max_num_seqs=1, max_model_len=1024, speculative_config=spec)
+        llm = LLM(args.target, max_num_seqs=1, max_model_len=1024, speculative_config=spec,
+                  dtype=args.dtype)  # fmt: skip
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
 
         def once():
@@ -82,7 +88,7 @@ def main() -> None:
     reference = runs["hf_ar"][0]
     results = {}
     print(f"{len(prompts)} held-out prompts, batch 1, greedy, {args.max_tokens} new tokens, "
-          f"{threads} threads")  # fmt: skip
+          f"{threads} threads, {args.dtype}")  # fmt: skip
     for name, (outs, sec) in runs.items():
         n = sum(len(o) for o in outs)
         same = sum(o == r for o, r in zip(outs, reference, strict=True))

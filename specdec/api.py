@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import jax
 from tqdm.auto import tqdm
 
-from specdec.checkpoint import load_config, load_model
+from specdec.checkpoint import checkpoint_dtype, load_config, load_model
 from specdec.engine import LLMEngine
 from specdec.outputs import RequestOutput, SpecDecodeMetrics
 from specdec.params import SamplingParams, SpeculativeConfig, broadcast_params
@@ -33,8 +33,11 @@ DTypeName = Literal["auto", "float32", "bfloat16"]
 _counter = itertools.count()
 
 
-def default_dtype() -> str:
-    """float32 on CPU (bfloat16 matmuls are slow there), bfloat16 on accelerators."""
+def default_dtype(folder: str | os.PathLike | None = None) -> str:
+    """What dtype="auto" means: a bfloat16 checkpoint stays bfloat16; any other
+    (float32, float16, unknown) runs in float32 on CPU and bfloat16 elsewhere."""
+    if folder is not None and checkpoint_dtype(folder) == "bfloat16":
+        return "bfloat16"
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
@@ -44,7 +47,8 @@ class LLM:
     Args:
         model: folder with config.json, safetensors weights and (for text prompts)
             tokenizer.json.
-        dtype: weight dtype; "auto" = float32 on CPU, bfloat16 elsewhere.
+        dtype: weight dtype; "auto" = bfloat16 for a bfloat16 checkpoint, otherwise
+            float32 on CPU and bfloat16 elsewhere.
         max_model_len: prompt + output tokens per sequence at most; default
             min(max_position_embeddings, 4096).
         max_num_seqs: sequences decoded together (KV-cache slots).
@@ -88,7 +92,7 @@ class LLM:
             )
         remote = cluster is not None or distributed_executor_backend == "ray"
         self.model_path = folder
-        self.dtype = default_dtype() if dtype == "auto" else dtype
+        self.dtype = default_dtype(folder) if dtype == "auto" else dtype
         if remote:  # the weights load in the target actor, not here
             self.config, params = load_config(folder), None
         else:

@@ -141,6 +141,17 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
         raise ValueError(f"{p} lacks the required field {e.args[0]!r}.") from None
 
 
+def checkpoint_dtype(path: str | os.PathLike) -> str | None:
+    """The dtype a model folder's `config.json` declares (`dtype` or the older
+    `torch_dtype`), e.g. "bfloat16"; None when it declares none or is unreadable."""
+    try:
+        hf = json.loads(_config_path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    dtype = hf.get("dtype") or hf.get("torch_dtype")
+    return dtype if isinstance(dtype, str) else None
+
+
 def config_to_hf(cfg: ModelConfig, **extra) -> dict:
     """The `config.json` dict transformers reads back into the same model."""
     model_type = {v: k for k, v in _MODEL_TYPES.items()}[cfg.architecture]

@@ -37,7 +37,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 8) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=str(DEMO_DIR / "target"), help="target model folder")
     g.add_argument("--draft", default=None, help="draft model folder (default: bundled draft)")
@@ -57,7 +57,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="target verify step; auto = Pallas megakernel on TPU, XLA elsewhere",
     )  # fmt: skip
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=_positive_int, default=8)
+    g.add_argument(
+        "--max-num-seqs", type=_positive_int, default=max_num_seqs,
+        help=f"sequences decoded together (default {max_num_seqs})",
+    )  # fmt: skip
 
 
 def sampling_from_args(args):
@@ -136,14 +139,17 @@ def cmd_generate(args) -> int:
     c = out.outputs[0]
     spec = out.metrics.spec
     n = len(c.token_ids)
-    decode_s = t_end - t_gen
+    total_s = t_end - t_gen
+    # Decode speed from the first token on: the time before it is start-up and compiling.
+    decode_s = t_end - first if first is not None else 0.0
     result = {
         "prompt": prompt,
         "text": c.text,
         "token_ids": c.token_ids,
         "finish_reason": c.finish_reason,
         "num_tokens": n,
-        "tokens_per_s": n / decode_s if decode_s > 0 else None,
+        "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
+        "tokens_per_s_with_startup": n / total_s if total_s > 0 else None,
         "startup_to_first_token_s": (first or t_end) - t0,
         "acceptance_length": spec.acceptance_length if spec.num_drafts else None,
         "acceptance_rate": spec.acceptance_rate if spec.num_drafts else None,
@@ -153,7 +159,8 @@ def cmd_generate(args) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    summary = f"[{n} tokens, {result['tokens_per_s']:.1f} tokens/s"
+    tps = result["tokens_per_s"]
+    summary = f"[{n} tokens" + (f", {tps:.1f} tokens/s after the first" if tps else "")
     if spec.num_drafts:
         summary += (
             f", acceptance length {spec.acceptance_length:.2f}, "
@@ -179,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = sub.add_parser("generate", help="generate from one prompt, streamed")
     gen.add_argument("prompt")
-    add_model_arguments(gen)
+    add_model_arguments(gen, max_num_seqs=1)  # one prompt: idle slots would cost compute
     add_sampling_arguments(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON result instead")
     gen.set_defaults(func=cmd_generate)

@@ -237,3 +237,18 @@ def test_chat_uses_template(model_dir):
     msgs = [{"role": "user", "content": "hi"}]
     out = llm.chat(msgs, GREEDY, use_tqdm=False)[0]
     assert out.prompt_token_ids == tok.encode("<user>hi\n<assistant>", add_special_tokens=False)
+
+
+@pytest.mark.parametrize(
+    "declared, expected",
+    [({"torch_dtype": "bfloat16"}, "bfloat16"), ({"dtype": "bfloat16"}, "bfloat16"),
+     ({"torch_dtype": "float32"}, "float32"), ({"torch_dtype": "float16"}, "float32"), ({}, "float32")],
+)  # fmt: skip
+def test_auto_dtype_follows_a_bfloat16_checkpoint(tmp_path, declared, expected):
+    """dtype="auto" on CPU: bfloat16 checkpoints stay bfloat16, everything else float32."""
+    import json
+
+    from specdec.api import default_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **declared}))
+    assert default_dtype(tmp_path) == expected

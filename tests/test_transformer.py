@@ -144,3 +144,27 @@ def test_forward_train_matches_prefill():
     a = T.forward_train(params, cfg, toks)
     b = T.prefill_logits(params, cfg, toks, jnp.array([9, 9]))
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("lead", [(1,), (1, 1), (3,), (2, 4)])
+def test_one_row_bfloat16_product_matches_plain_matmul(lead):
+    """The one-row bfloat16 detour in `_mm` (two rows, first kept) changes no number."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(40, 24)), jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(*lead, 40)), jnp.float32)
+    got = jax.jit(T._mm)(x, w)
+    want = jnp.matmul(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+    assert got.shape == (*lead, 24) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_kv_cache_is_float32_on_cpu_for_bfloat16_weights():
+    """XLA CPU cannot write a bfloat16 buffer in place, so CPU caches are float32."""
+    from specdec.kernels.kv_cache import ModelRunner, cache_dtype
+
+    cfg = CONFIGS["llama_gqa"]
+    params = T.init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    runner = ModelRunner(cfg, params, num_slots=1, max_len=MAX_LEN)
+    assert jax.default_backend() == "cpu"
+    assert runner.cache.k.dtype == jnp.float32 == cache_dtype(jnp.bfloat16)
+    assert runner.params["embed"].dtype == jnp.bfloat16
