@@ -242,7 +242,8 @@ def test_chat_uses_template(model_dir):
 @pytest.mark.parametrize(
     "declared, expected",
     [({"torch_dtype": "bfloat16"}, "bfloat16"), ({"dtype": "bfloat16"}, "bfloat16"),
-     ({"torch_dtype": "float32"}, "float32"), ({"torch_dtype": "float16"}, "float32"), ({}, "float32")],
+     ({"torch_dtype": "float32"}, "float32"), ({"torch_dtype": "float16"}, "float32"),
+     ({}, "float32")],
 )  # fmt: skip
 def test_auto_dtype_follows_a_bfloat16_checkpoint(tmp_path, declared, expected):
     """dtype="auto" on CPU: bfloat16 checkpoints stay bfloat16, everything else float32."""
