@@ -421,7 +421,13 @@ def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, *, cfg, to
         )
         return cand, chain, cache
 
-    cand, chain, cache = jax.lax.fori_loop(1, max_depth, level, (cand, chain, cache))
+    # Unrolled (max_depth is static): on XLA CPU a while loop copies its carried
+    # cache on entry and per iteration; unrolled, a 6-level propose of the demo
+    # draft ran in 3.8 ms instead of 4.5 ms (trace span of one call).
+    carry = (cand, chain, cache)
+    for d in range(1, max_depth):
+        carry = level(d, carry)
+    cand, chain, cache = carry
     cand_score, cand_chain, cand_tok = cand["score"], cand["chain"], cand["tok"]
     cand_par, cand_exp = cand["par"], cand["exp"]
     _, chosen = jax.lax.top_k(priority(cand_score, cand_chain), num_nodes)
