@@ -16,20 +16,7 @@ import numpy as np
 
 from specdec.kernels import transformer
 from specdec.kernels.config import ModelConfig
-from specdec.kernels.transformer import KVCache, Params
-
-
-def cache_dtype(weight_dtype) -> jnp.dtype:
-    """The KV-cache dtype for weights of `weight_dtype`: the same, except float32 on CPU.
-
-    XLA CPU cannot update a bfloat16 buffer in place: it widens the whole buffer
-    to float32 and back, so writing one decode step's K/V into a bfloat16 cache
-    copied all of it (1.9 ms a step for the demo target's 8.5 MB cache, against
-    0.015 ms in float32). Float32 K/V cost twice the memory, no precision.
-    """
-    if jax.default_backend() == "cpu":
-        return jnp.dtype(jnp.float32)
-    return jnp.dtype(weight_dtype)
+from specdec.kernels.transformer import KVCache, Params, cache_dtype
 
 
 class ModelRunner:

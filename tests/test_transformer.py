@@ -160,11 +160,11 @@ def test_one_row_bfloat16_product_matches_plain_matmul(lead):
 
 def test_kv_cache_is_float32_on_cpu_for_bfloat16_weights():
     """XLA CPU cannot write a bfloat16 buffer in place, so CPU caches are float32."""
-    from specdec.kernels.kv_cache import ModelRunner, cache_dtype
+    from specdec.kernels.kv_cache import ModelRunner
 
     cfg = CONFIGS["llama_gqa"]
     params = T.init_params(cfg, jax.random.key(0), jnp.bfloat16)
     runner = ModelRunner(cfg, params, num_slots=1, max_len=MAX_LEN)
     assert jax.default_backend() == "cpu"
-    assert runner.cache.k.dtype == jnp.float32 == cache_dtype(jnp.bfloat16)
+    assert runner.cache.k.dtype == jnp.float32 == T.cache_dtype(jnp.bfloat16)
     assert runner.params["embed"].dtype == jnp.bfloat16
