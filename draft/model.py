@@ -46,7 +46,7 @@ import numpy as np
 
 from specdec.kernels import transformer
 from specdec.kernels.config import ModelConfig
-from specdec.kernels.kv_cache import ModelRunner, kv_bucket
+from specdec.kernels.kv_cache import ModelRunner
 from specdec.kernels.transformer import Params
 from specdec.verify.batch import SamplingBatch
 from specdec.verify.tree import ChildSampling
@@ -82,6 +82,7 @@ class ModelDrafter:
         self.max_nodes = min(num_nodes, num_candidates(self.topk, max_depth))
         self.pending_len = max_depth + 1  # accepted-but-unexpanded nodes + the new root
         self.region = (max_depth - 1) * self.topk  # expanded nodes after the root
+        self.extent = self.pending_len + self.region + 1  # positions a propose adds at most
         self.vocab_limit = min(vocab_limit or cfg.vocab_size, cfg.vocab_size)
         self.runner = ModelRunner(
             cfg,
@@ -121,6 +122,10 @@ class ModelDrafter:
         self.runner.release(slot)
         self.pending[slot] = []
 
+    def reserve(self, slots, lengths) -> None:
+        """Rows will grow to about `lengths` tokens: proposals read that many positions."""
+        self.runner.reserve(slots, lengths)
+
     def propose(self, active, roots, sampling: SamplingBatch) -> DraftBatch:
         r = self.runner
         s_count = r.num_slots
@@ -146,10 +151,7 @@ class ModelDrafter:
             max_depth=self.max_depth,
             num_nodes=self.max_nodes,
             vocab_limit=self.vocab_limit,
-            kv_len=kv_bucket(
-                int(r.cache_lens[active].max(initial=0)) + self.pending_len + self.region + 1,
-                r.max_len,
-            ),
+            kv_len=r.kv_len(active, int(r.cache_lens[active].max(initial=0)) + self.extent),
         )
         tokens, parents = np.array(tokens), np.array(parents)
         parents[~active] = -2
@@ -279,7 +281,7 @@ class ModelDrafter:
             r.cache_lens.copy(),
             cfg=self.cfg,
             vocab_limit=self.vocab_limit,
-            kv_len=kv_bucket(int(r.cache_lens[rows].max(initial=0)) + self.pending_len, r.max_len),
+            kv_len=r.kv_len(rows, int(r.cache_lens[rows].max(initial=0)) + self.pending_len),
         )
         return np.asarray(top1)
 

@@ -18,6 +18,12 @@ from specdec.kernels import transformer
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.transformer import KVCache, Params, cache_dtype
 
+# A row's planned length (prompt + max_tokens + one tree) counts toward the cache
+# positions a call reads, up to this many: a request then runs one compiled
+# variant instead of one per bucket it grows through (a cold XLA CPU compile of
+# the verify step takes seconds), reading at most 4x the 128-position floor early.
+KV_RESERVE_CAP = 512
+
 
 class ModelRunner:
     """One model's weights, KV cache and committed lengths over a fixed set of slots."""
@@ -43,9 +49,20 @@ class ModelRunner:
         alloc = -(-(max_len + prefill_chunk) // 16) * 16
         self.cache = KVCache.create(cfg, num_slots, alloc, dtype=cache_dtype(params["embed"].dtype))
         self.cache_lens = np.zeros(num_slots, np.int32)
+        self.reserved = np.zeros(num_slots, np.int32)  # planned lengths (`reserve`)
 
     def release(self, slot: int) -> None:
         self.cache_lens[slot] = 0
+        self.reserved[slot] = 0
+
+    def reserve(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
+        """Rows in `slots` will grow to about `lengths` positions (capped: KV_RESERVE_CAP)."""
+        self.reserved[np.asarray(slots, np.int64)] = np.minimum(lengths, KV_RESERVE_CAP)
+
+    def kv_len(self, rows: np.ndarray, needed: int) -> int:
+        """Cache positions a call over `rows` (mask or indices) reads: the bucket of
+        `needed` or of the rows' reservations, whichever is larger."""
+        return kv_bucket(max(needed, int(self.reserved[rows].max(initial=0))), self.max_len)
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> jax.Array:
         """Writes the prompts' K/V into `slots`; returns last-token logits f32[B, V].

@@ -1,17 +1,22 @@
 """Train the bundled demo pair: a small Llama target and a distilled Llama draft.
 
 Both models speak Python: they are trained on the CPython standard library's own
-source. Four stages, each resumable, all state in one run directory:
+source. Six stages, each resumable, all state in one run directory:
 
-1. tokenizer: collect `*.py` under `sysconfig.get_paths()["stdlib"]` (tests,
-   site-packages and generated blobs left out), hold out ~5% of the files by a
-   seeded hash of their relative path, train a byte-level BPE on the rest and
-   encode both parts into token streams. Each document is preceded by
-   `<|endoftext|>`, the only special token (BOS and EOS).
+1. tokenizer (scripts/demo_corpus.py): collect `*.py` under
+   `sysconfig.get_paths()["stdlib"]` (tests, site-packages and generated blobs
+   left out), hold out ~5% of the files by a seeded hash of their relative
+   path, train a byte-level BPE on the rest and encode both parts into token
+   streams. Each document is preceded by `<|endoftext|>`, the only special
+   token (BOS and EOS).
 2. target: next-token cross-entropy on packed windows, AdamW + warmup/cosine.
 3. draft: distilled from the frozen target, loss = KL(target || draft) + a small
    cross-entropy, target logits computed on the fly.
-4. export: Hugging Face folders (config.json, bf16 model.safetensors, tokenizer
+4. target_more, 5. draft_more: phase 2, the same two trainings again (new data
+   order, fresh optimiser, a second warmup/cosine), each starting from the bf16
+   rounding of its phase-1 weights. The pair's first release was the phase-1
+   export, so `--phase1-from specdec/assets/demo` can stand in for stages 2-3.
+6. export: Hugging Face folders (config.json, bf16 model.safetensors, tokenizer
    files, generation_config.json) and held-out metrics of the bf16 weights.
 
 Reproducible: every setting lives in `settings.json` in the run directory and
@@ -29,15 +34,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import io
 import json
 import math
-import os
-import platform
 import signal
 import sys
-import sysconfig
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,23 +47,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from demo_corpus import (  # scripts/demo_corpus.py, beside this file
+    EOT,
+    EOT_ID,
+    Log,
+    Windows,
+    eval_windows,
+    fmt_time,
+    load_tokens,
+    stage_tokenizer,
+    update_json,
+    write_bytes_atomic,
+    write_json,
+)
 
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.transformer import forward_train as _forward_stacked
 from specdec.kernels.transformer import init_params, unstack_layers
 
-EOT = "<|endoftext|>"
-EOT_ID = 0  # the first special token the BPE trainer sees gets id 0
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_EXPORT_DIR = REPO_ROOT / "specdec" / "assets" / "demo"
-
-# Folders never read: tests (and their data), installed packages.
-EXCLUDED_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-)
-# Generated or machine-specific: pydoc_data/topics.py is 750 KB of docs in a
-# string; _sysconfigdata_* and config-3.x-*/ describe this build of Python.
-EXCLUDED_PREFIXES = ("pydoc_data/", "_sysconfigdata_", "config-")
 
 
 # ----------------------------------------------------------------------------- settings
@@ -116,6 +120,10 @@ class RunSettings:
     draft: ShapeSettings
     target_train: StageSettings
     draft_train: StageSettings
+    # Phase 2: both models trained further, each from the bf16 rounding of its
+    # phase-1 weights (what the phase-1 export ships), with fresh optimiser state.
+    target_more: StageSettings
+    draft_more: StageSettings
     kl_weight: float
     ce_weight: float  # draft: weight of the plain next-token cross-entropy
     eval_tokens: int  # held-out tokens scored for metrics (at most)
@@ -143,8 +151,8 @@ class RunSettings:
         d = dict(d)
         d["target"] = ShapeSettings(**d["target"])
         d["draft"] = ShapeSettings(**d["draft"])
-        d["target_train"] = StageSettings(**d["target_train"])
-        d["draft_train"] = StageSettings(**d["draft_train"])
+        for k in ("target_train", "draft_train", "target_more", "draft_more"):
+            d[k] = StageSettings(**d[k])
         return cls(**d)
 
 
@@ -165,6 +173,8 @@ def default_settings(smoke: bool) -> RunSettings:
             draft=ShapeSettings(32, 64, 1, 2, 1, 16),
             target_train=StageSettings(30, 4, 3e-3, 5, 0.1, 0.1, 1.0),
             draft_train=StageSettings(20, 4, 3e-3, 5, 0.1, 0.1, 1.0),
+            target_more=StageSettings(10, 4, 2e-3, 2, 0.1, 0.1, 1.0),
+            draft_more=StageSettings(10, 4, 2e-3, 2, 0.1, 0.0, 1.0),
             kl_weight=1.0,
             ce_weight=0.1,
             eval_tokens=2048,
@@ -193,6 +203,10 @@ def default_settings(smoke: bool) -> RunSettings:
         # text: tokens seen matter more than anything else at this size.)
         target_train=StageSettings(700, 8, 1.5e-3, 40, 0.1, 0.1, 1.0),
         draft_train=StageSettings(600, 8, 3e-3, 30, 0.1, 0.0, 1.0),
+        # Phase 2 (~70 + ~15 minutes): the phase-1 target (2.9M tokens seen) wrote
+        # Python-like lines for some prompts but looped on `def fib(n):`.
+        target_more=StageSettings(480, 8, 1e-3, 20, 0.1, 0.1, 1.0),
+        draft_more=StageSettings(250, 8, 2e-3, 10, 0.1, 0.0, 1.0),
         kl_weight=1.0,
         ce_weight=0.1,
         eval_tokens=32768,
@@ -249,196 +263,6 @@ def resolve_settings(run_dir: Path, args: argparse.Namespace) -> RunSettings:
         if given is not None and given != have:
             raise ValueError(f"--{flag} {given} contradicts {path} ({have}); use another run dir.")
     return stored
-
-
-# ----------------------------------------------------------------------------- files
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_json(path: Path, obj) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
-
-
-def update_json(path: Path, updates: dict) -> None:
-    d = json.loads(path.read_text()) if path.exists() else {}
-    d.update(updates)
-    write_json(path, d)
-
-
-class Log:
-    """Timestamped lines to stdout and `progress.log`, flushed at once."""
-
-    def __init__(self, path: Path):
-        self.f = open(path, "a", buffering=1)
-
-    def __call__(self, msg: str) -> None:
-        line = f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {msg}"
-        print(line, flush=True)
-        self.f.write(line + "\n")
-        self.f.flush()
-
-
-def fmt_time(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    h, rem = divmod(seconds, 3600)
-    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
-
-
-# ----------------------------------------------------------------------------- stage 1
-
-
-def list_stdlib_files(stdlib: Path) -> list[str]:
-    """Relative paths (posix, sorted) of the stdlib `*.py` files used as the corpus."""
-    out = []
-    for p in stdlib.rglob("*.py"):
-        rel = p.relative_to(stdlib).as_posix()
-        if EXCLUDED_DIRS & set(rel.split("/")[:-1]) or rel.startswith(EXCLUDED_PREFIXES):
-            continue
-        out.append(rel)
-    return sorted(out)
-
-
-def is_heldout(rel: str, seed: int, per_mille: int) -> bool:
-    digest = hashlib.sha256(f"specdec-heldout:{seed}:{rel}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") % 1000 < per_mille
-
-
-def read_corpus(s: RunSettings) -> tuple[Path, dict[str, str]]:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = {}
-    for rel in list_stdlib_files(stdlib):
-        try:
-            texts[rel] = (stdlib / rel).read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            continue
-    if s.max_files:
-        # A spread-out subset, the same every time.
-        rels = sorted(texts)
-        stride = max(1, len(rels) // s.max_files)
-        texts = {r: texts[r] for r in rels[::stride][: s.max_files]}
-    return stdlib, texts
-
-
-def stage_tokenizer(run_dir: Path, s: RunSettings, log: Log) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    done = run_dir / "data" / "done.json"
-    if done.exists():
-        log("tokenizer: already done")
-        return
-    (run_dir / "data").mkdir(exist_ok=True)
-    stdlib, texts = read_corpus(s)
-    heldout = [r for r in texts if is_heldout(r, s.seed, s.heldout_per_mille)]
-    train = [r for r in texts if r not in frozenset(heldout)]
-    log(f"tokenizer: {len(train)} train files, {len(heldout)} held out, from {stdlib}")
-    write_bytes_atomic(run_dir / "heldout_files.txt", "".join(r + "\n" for r in heldout).encode())
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=s.vocab_size,
-        min_frequency=2,
-        special_tokens=[EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    t0 = time.time()
-    tok.train_from_iterator((texts[r] for r in train), trainer=trainer, length=len(train))
-    if tok.token_to_id(EOT) != EOT_ID or tok.get_vocab_size() != s.vocab_size:
-        raise RuntimeError(
-            f"tokenizer came out with {EOT} = {tok.token_to_id(EOT)} and "
-            f"{tok.get_vocab_size()} tokens; expected {EOT_ID} and {s.vocab_size}."
-        )
-    # Like Llama, encoding a prompt prepends BOS: training windows see every
-    # document start right after <|endoftext|>.
-    tok.post_processor = processors.Sequence(
-        [
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(
-                single=f"{EOT} $A", pair=f"{EOT} $A {EOT} $B:1", special_tokens=[(EOT, EOT_ID)]
-            ),
-        ]
-    )
-    tok.save(str(run_dir / "tokenizer.json.tmp"))
-    os.replace(run_dir / "tokenizer.json.tmp", run_dir / "tokenizer.json")
-    log(f"tokenizer: trained {s.vocab_size} tokens in {time.time() - t0:.0f}s")
-
-    stats = {}
-    for name, rels in (("train", train), ("heldout", heldout)):
-        encs = tok.encode_batch([texts[r] for r in rels], add_special_tokens=False)
-        ids = np.concatenate([np.array([EOT_ID] + e.ids, np.uint16) for e in encs])
-        buf = io.BytesIO()
-        np.save(buf, ids)
-        write_bytes_atomic(run_dir / "data" / f"{name}.npy", buf.getvalue())
-        nbytes = sum(len(texts[r].encode()) for r in rels)
-        stats[name] = {"files": len(rels), "tokens": int(ids.size), "bytes": nbytes}
-        log(f"tokenizer: {name}: {ids.size} tokens, {nbytes / ids.size:.2f} bytes/token")
-    corpus_hash = hashlib.sha256()
-    for r in sorted(texts):
-        corpus_hash.update(r.encode() + b"\0" + texts[r].encode() + b"\0")
-    write_json(
-        done,
-        {
-            "stdlib": str(stdlib),
-            "python": platform.python_version(),
-            "corpus_sha256": corpus_hash.hexdigest(),
-            "tokenizer_sha256": hashlib.sha256(
-                (run_dir / "tokenizer.json").read_bytes()
-            ).hexdigest(),
-            **stats,
-        },
-    )
-
-
-def load_tokens(run_dir: Path, name: str) -> np.ndarray:
-    return np.load(run_dir / "data" / f"{name}.npy").astype(np.int32)
-
-
-# ----------------------------------------------------------------------------- data
-
-
-class Windows:
-    """Packed training windows in a seeded order; sample g is a pure function of g.
-
-    Epoch e shifts the chunk grid by a random offset in [0, seq_len) and visits
-    its chunks in a random permutation, both drawn from (seed, salt, e). A
-    window is seq_len + 1 tokens: inputs are [:-1], labels [1:].
-    """
-
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, salt: int):
-        if tokens.size < 2 * seq_len + 2:
-            raise ValueError(f"need >= {2 * seq_len + 2} tokens, got {tokens.size}.")
-        self.tokens, self.seq_len, self.seed, self.salt = tokens, seq_len, seed, salt
-        self.per_epoch = (tokens.size - 1 - seq_len) // seq_len
-        self._epoch, self._order, self._offset = -1, None, 0
-
-    def sample(self, g: int) -> np.ndarray:  # i32[seq_len + 1]
-        epoch, i = divmod(g, self.per_epoch)
-        if epoch != self._epoch:
-            rng = np.random.default_rng([self.seed, self.salt, epoch])
-            self._offset = int(rng.integers(self.seq_len))
-            self._order = rng.permutation(self.per_epoch)
-            self._epoch = epoch
-        start = self._offset + int(self._order[i]) * self.seq_len
-        return self.tokens[start : start + self.seq_len + 1]
-
-    def batch(self, first: int, size: int) -> np.ndarray:  # i32[size, seq_len + 1]
-        return np.stack([self.sample(first + j) for j in range(size)])
-
-
-def eval_windows(tokens: np.ndarray, seq_len: int, max_tokens: int) -> np.ndarray:
-    """The first held-out windows, non-overlapping: i32[n, seq_len + 1]."""
-    n = min((tokens.size - 1) // seq_len, max(1, max_tokens // seq_len))
-    return np.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)])
 
 
 # ----------------------------------------------------------------------------- losses
@@ -570,7 +394,11 @@ def train_loop(
     opt_state = optimizer.init(params)
     step = 0
     if ckpt.exists():
-        params, opt_state, meta = load_checkpoint_npz(ckpt, params, opt_state)
+        with np.load(ckpt) as z:
+            done = json.loads(bytes(z["meta"]).decode())["done"]
+        # A finished (or seeded) checkpoint needs no optimiser state.
+        params, opt, meta = load_checkpoint_npz(ckpt, params, None if done else opt_state)
+        opt_state = opt_state if done else opt
         step = meta["step"]
         if meta["data_position"] != step * st.batch_size:
             raise ValueError(f"{ckpt}: data position {meta['data_position']} != step * batch.")
@@ -640,47 +468,65 @@ def train_loop(
     return params
 
 
-def stage_target(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag):
+def _record_metrics(run_dir: Path, key: str, compute: Callable[[], dict], log: Log) -> None:
+    metrics = run_dir / "metrics.json"
+    if key not in (json.loads(metrics.read_text()) if metrics.exists() else {}):
+        m = compute()
+        update_json(metrics, {key: m})
+        log(f"{key}: held-out {m}")
+
+
+def stage_target(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag, *, more: bool):
+    """Phase 1 (`target`): from a seeded init. Phase 2 (`target_more`): from bf16(phase 1)."""
     cfg = s.model_config("target")
-    key = jax.random.key(s.seed)
-    params = init_params(cfg, key)
-    log(f"target: {cfg.num_params():,} parameters {dataclasses.asdict(s.target)}")
-    windows = Windows(load_tokens(run_dir, "train"), s.seq_len, s.seed, salt=1)
+    key = jax.random.key(s.seed if not more else s.seed + 2)
+    if more:
+        params = bf16_round(load_final(run_dir, s, "target")[1])
+    else:
+        params = init_params(cfg, key)
+    name, st = ("target_more", s.target_more) if more else ("target", s.target_train)
+    log(f"{name}: {cfg.num_params():,} parameters {dataclasses.asdict(s.target)}")
+    windows = Windows(load_tokens(run_dir, "train"), s.seq_len, s.seed, salt=3 if more else 1)
 
     def loss_fn(params, x, y):
         return cross_entropy(forward_train(params, cfg, x), y)
 
-    step_fn = make_train_step(loss_fn, make_optimizer(s.target_train))
+    step_fn = make_train_step(loss_fn, make_optimizer(st))
     params = train_loop(
-        name="target", run_dir=run_dir, s=s, st=s.target_train, params=params,
+        name=name, run_dir=run_dir, s=s, st=st, params=params,
         step_fn=step_fn, extra_args=(), windows=windows,
         key_data=np.asarray(jax.random.key_data(key)), log=log, stop=stop,
     )  # fmt: skip
-    metrics = run_dir / "metrics.json"
-    if "target_fp32" not in (json.loads(metrics.read_text()) if metrics.exists() else {}):
-        m = evaluate(run_dir, s, target=(cfg, params), draft=None)
-        update_json(metrics, {"target_fp32": m["target"]})
-        log(f"target: held-out (fp32 weights) {m['target']}")
+    _record_metrics(
+        run_dir, f"{name}_fp32",
+        lambda: evaluate(run_dir, s, target=(cfg, params), draft=None)["target"], log,
+    )  # fmt: skip
     return params
 
 
-def load_final(run_dir: Path, s: RunSettings, which: str):
-    cfg = s.model_config(which)
+def load_final(run_dir: Path, s: RunSettings, name: str):
+    """(cfg, params) of a finished stage: target, draft, target_more or draft_more."""
+    cfg = s.model_config("draft" if name.startswith("draft") else "target")
     like = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     like = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), like)
-    params, _, meta = load_checkpoint_npz(run_dir / f"{which}.ckpt.npz", like)
+    params, _, meta = load_checkpoint_npz(run_dir / f"{name}.ckpt.npz", like)
     if not meta["done"]:
-        raise ValueError(f"{which} training is not finished (step {meta['step']}); run it first.")
+        raise ValueError(f"{name} training is not finished (step {meta['step']}); run it first.")
     return cfg, params
 
 
-def stage_draft(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag):
-    t_cfg, t_params = load_final(run_dir, s, "target")
+def stage_draft(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag, *, more: bool):
+    """Distils the draft from the frozen target of the same phase."""
+    t_cfg, t_params = load_final(run_dir, s, "target_more" if more else "target")
     cfg = s.model_config("draft")
-    key = jax.random.key(s.seed + 1)
-    params = init_params(cfg, key)
-    log(f"draft: {cfg.num_params():,} parameters {dataclasses.asdict(s.draft)}")
-    windows = Windows(load_tokens(run_dir, "train"), s.seq_len, s.seed, salt=2)
+    key = jax.random.key(s.seed + 1 if not more else s.seed + 3)
+    if more:
+        params = bf16_round(load_final(run_dir, s, "draft")[1])
+    else:
+        params = init_params(cfg, key)
+    name, st = ("draft_more", s.draft_more) if more else ("draft", s.draft_train)
+    log(f"{name}: {cfg.num_params():,} parameters {dataclasses.asdict(s.draft)}")
+    windows = Windows(load_tokens(run_dir, "train"), s.seq_len, s.seed, salt=4 if more else 2)
 
     def loss_fn(params, t_params, x, y):
         t_logits = jax.lax.stop_gradient(forward_train(t_params, t_cfg, x))
@@ -688,18 +534,48 @@ def stage_draft(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag):
         kl = kl_to_target(t_logits, d_logits)
         return s.kl_weight * kl + s.ce_weight * cross_entropy(d_logits, y)
 
-    step_fn = make_train_step(loss_fn, make_optimizer(s.draft_train))
+    step_fn = make_train_step(loss_fn, make_optimizer(st))
     params = train_loop(
-        name="draft", run_dir=run_dir, s=s, st=s.draft_train, params=params,
+        name=name, run_dir=run_dir, s=s, st=st, params=params,
         step_fn=step_fn, extra_args=(t_params,), windows=windows,
         key_data=np.asarray(jax.random.key_data(key)), log=log, stop=stop,
     )  # fmt: skip
-    metrics = run_dir / "metrics.json"
-    if "draft_fp32" not in (json.loads(metrics.read_text()) if metrics.exists() else {}):
-        m = evaluate(run_dir, s, target=(t_cfg, t_params), draft=(cfg, params))
-        update_json(metrics, {"draft_fp32": m["draft"]})
-        log(f"draft: held-out (fp32 weights) {m['draft']}")
+    _record_metrics(
+        run_dir, f"{name}_fp32",
+        lambda: evaluate(run_dir, s, target=(t_cfg, t_params), draft=(cfg, params))["draft"],
+        log,
+    )  # fmt: skip
     return params
+
+
+def seed_phase1_from_export(run_dir: Path, s: RunSettings, folder: Path, log: Log) -> None:
+    """Writes finished phase-1 checkpoints from an exported pair (its bf16 weights are
+    exactly what phase 2 starts from), so phase 2 can run without re-running phase 1."""
+    from specdec.checkpoint import load_model
+
+    for name in ("target", "draft"):
+        ckpt = run_dir / f"{name}.ckpt.npz"
+        if ckpt.exists():
+            log(f"{name}: {ckpt} exists; not seeding it from {folder}")
+            continue
+        cfg, params = load_model(folder / name, dtype="float32")
+        want = s.model_config(name)
+        if cfg.num_params() != want.num_params() or cfg.num_layers != want.num_layers:
+            raise ValueError(f"{folder / name} is not this run's {name} shape ({want}).")
+        like = jax.eval_shape(lambda c=want: init_params(c, jax.random.key(0)))
+        if jax.tree_util.tree_structure(like) != jax.tree_util.tree_structure(params):
+            raise ValueError(f"{folder / name}: parameter tree differs from init_params'.")
+        st = s.target_train if name == "target" else s.draft_train
+        meta = {
+            "step": st.steps,
+            "total_steps": st.steps,
+            "done": True,
+            "time": time.time(),
+            "data_position": st.steps * st.batch_size,
+            "seeded_from": str(folder / name),
+        }
+        save_checkpoint_npz(ckpt, params, (), meta)
+        log(f"{name}: phase-1 checkpoint seeded from {folder / name}")
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -780,48 +656,17 @@ def hf_config(s: RunSettings, cfg: ModelConfig) -> dict:
     }
 
 
-def hf_tensors(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
-    """Hugging Face names and [out, in] layout, float32 (the caller casts)."""
-    lay = {k: np.asarray(v, np.float32) for k, v in params["layers"].items()}
-    out = {"model.embed_tokens.weight": np.asarray(params["embed"], np.float32)}
-    names = {
-        "wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
-        "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
-        "w_down": "mlp.down_proj",
-    }  # fmt: skip
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        for ours, theirs in names.items():
-            out[p + theirs + ".weight"] = np.ascontiguousarray(lay[ours][i].T)
-        out[p + "input_layernorm.weight"] = lay["attn_norm"][i]
-        out[p + "post_attention_layernorm.weight"] = lay["mlp_norm"][i]
-    out["model.norm.weight"] = np.asarray(params["final_norm"], np.float32)
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T)
-    return out
-
-
 def write_hf_folder(out: Path, run_dir: Path, s: RunSettings, cfg: ModelConfig, params) -> None:
-    from safetensors.flax import save_file
+    from specdec.checkpoint import save_checkpoint
 
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        from specdec.checkpoint import save_checkpoint
-    except ImportError:
-        save_checkpoint = None
-    if save_checkpoint is not None:
-        save_checkpoint(out, cfg, params, dtype="bfloat16")
-        # It knows the shape, not the tokenizer: add ids and fields it may lack.
-        written = json.loads((out / "config.json").read_text())
-        for k, v in hf_config(s, cfg).items():
-            if k in ("bos_token_id", "eos_token_id") or k not in written:
-                written[k] = v
-        write_json(out / "config.json", written)
-    else:
-        write_json(out / "config.json", hf_config(s, cfg))
-        tensors = {k: jnp.asarray(v, jnp.bfloat16) for k, v in hf_tensors(cfg, params).items()}
-        save_file(tensors, str(out / "model.safetensors.tmp"), metadata={"format": "pt"})
-        os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
+    save_checkpoint(out, cfg, params, dtype="bfloat16")
+    # It knows the shape, not the tokenizer: add ids and fields it may lack.
+    written = json.loads((out / "config.json").read_text())
+    for k, v in hf_config(s, cfg).items():
+        if k in ("bos_token_id", "eos_token_id") or k not in written:
+            written[k] = v
+    write_json(out / "config.json", written)
     write_bytes_atomic(out / "tokenizer.json", (run_dir / "tokenizer.json").read_bytes())
     write_json(
         out / "tokenizer_config.json",
@@ -856,8 +701,8 @@ def bf16_round(params):
 
 
 def stage_export(run_dir: Path, s: RunSettings, export_dir: Path, log: Log) -> None:
-    t_cfg, t_params = load_final(run_dir, s, "target")
-    d_cfg, d_params = load_final(run_dir, s, "draft")
+    t_cfg, t_params = load_final(run_dir, s, "target_more")
+    d_cfg, d_params = load_final(run_dir, s, "draft_more")
     for name, cfg, params in (("target", t_cfg, t_params), ("draft", d_cfg, d_params)):
         write_hf_folder(export_dir / name, run_dir, s, cfg, params)
         size = (export_dir / name / "model.safetensors").stat().st_size
@@ -886,7 +731,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run-dir", type=Path, required=True, help="state, logs, checkpoints")
     p.add_argument(
-        "--stage", choices=("all", "tokenizer", "target", "draft", "export"), default="all"
+        "--stage",
+        choices=("all", "tokenizer", "target", "draft", "target_more", "draft_more", "export"),
+        default="all",
+    )
+    p.add_argument(
+        "--phase1-from",
+        type=Path,
+        default=None,
+        help="an exported pair (e.g. the shipped one) to take the phase-1 weights from",
     )
     p.add_argument("--target-steps", type=int, default=None)
     p.add_argument("--draft-steps", type=int, default=None)
@@ -902,6 +755,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        _main(argv)
+    except (ValueError, FileNotFoundError) as e:  # bad settings or run dir: no traceback
+        sys.exit(f"train_demo_pair.py: error: {e}")
+
+
+def _main(argv: list[str] | None) -> None:
     args = parse_args(argv)
     jax.config.update("jax_platforms", args.platform)
     run_dir = args.run_dir.resolve()
@@ -918,10 +778,14 @@ def main(argv: list[str] | None = None) -> None:
     update_json(run_dir / "metrics.json", {"sizes": sizes})
     export_dir = args.export_dir or (run_dir / "export" if s.smoke else DEFAULT_EXPORT_DIR)
     stop = StopFlag()
+    if args.phase1_from is not None:
+        seed_phase1_from_export(run_dir, s, args.phase1_from.resolve(), log)
     run_stage = {
         "tokenizer": lambda: stage_tokenizer(run_dir, s, log),
-        "target": lambda: stage_target(run_dir, s, log, stop),
-        "draft": lambda: stage_draft(run_dir, s, log, stop),
+        "target": lambda: stage_target(run_dir, s, log, stop, more=False),
+        "draft": lambda: stage_draft(run_dir, s, log, stop, more=False),
+        "target_more": lambda: stage_target(run_dir, s, log, stop, more=True),
+        "draft_more": lambda: stage_draft(run_dir, s, log, stop, more=True),
         "export": lambda: stage_export(run_dir, s, export_dir, log),
     }
     for stage in run_stage if args.stage == "all" else (args.stage,):

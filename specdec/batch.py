@@ -487,7 +487,12 @@ def llm_kwargs(args) -> dict:
 
 
 def run(args) -> int:
-    """`specdec batch`: 0 when every row was processed, 1 otherwise."""
+    """`specdec batch`: exit status 0 once every input row has an output row.
+
+    Bad rows are results too (error rows, counted in the summary line), so they
+    do not fail the run; a run that cannot go on stops with exit status 1 (bad
+    arguments: 2), keeping the rows written so far.
+    """
     from specdec.cli import sampling_from_args
 
     if not logging.getLogger().handlers:

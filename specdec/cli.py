@@ -212,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"specdec {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # generation stopped (the engine's error); output so far is kept
+        print(f"specdec {args.command}: failed: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -30,41 +30,17 @@ from specdec.draft.model import ModelDrafter
 from specdec.draft.ngram import NgramDrafter
 from specdec.kernels import transformer
 from specdec.kernels.config import ModelConfig
-from specdec.kernels.kv_cache import ModelRunner, kv_bucket
+from specdec.kernels.kv_cache import ModelRunner
+from specdec.kernels.megakernel.reference import tree_block
 from specdec.kernels.transformer import KVCache, Params
 from specdec.params import SpeculativeConfig
 from specdec.sizing import cached_plan, describe
-from specdec.verify import masks
 from specdec.verify.acceptance import ACCEPTANCE_RULES, Verdict, emitted_tokens, greedy_accept
 from specdec.verify.batch import SamplingBatch
 from specdec.verify.sampling import sample_from_uniform
 from specdec.verify.tree import ChildSampling
 
 logger = logging.getLogger(__name__)
-
-
-def tree_block(
-    roots: jax.Array,  # i32[B] last committed token of each row
-    tokens: jax.Array,  # i32[B, N] tree nodes (padding: any token)
-    parents: jax.Array,  # i32[B, N], -1 = child of root, < -1 = padding
-    cache_lens: jax.Array,  # i32[B]
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Block tokens i32[B, N+1], positions i32[B, N+1] and mask bool[B, N+1, N+1].
-
-    Block index 0 is the root; node i is block index i + 1. Example: depths
-    [1, 1, 2] with 7 committed tokens -> positions [7, 8, 8, 9].
-    """
-    b, n = tokens.shape
-    valid = parents >= -1
-    anc = masks.ancestor_mask(parents)  # [B, N, N]
-    depth = masks.depths(parents)  # [B, N], padding 0
-    block_tokens = jnp.concatenate([roots[:, None], tokens], axis=1)
-    positions = cache_lens[:, None] + jnp.concatenate(
-        [jnp.zeros((b, 1), jnp.int32), depth.astype(jnp.int32)], axis=1
-    )
-    top = jnp.zeros((b, 1, n + 1), bool).at[:, 0, 0].set(True)
-    bottom = jnp.concatenate([valid[:, :, None], anc], axis=2)
-    return block_tokens, positions, jnp.concatenate([top, bottom], axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "child_sampling", "kv_len"))
@@ -178,7 +154,7 @@ def _verify_xla(r: ModelRunner, cfg, roots, tree: DraftBatch, slots, active, sam
         r.params, r.cache, roots, tree.tokens, tree.parents, tree.draft_probs, slots,
         r.cache_lens.copy(),  # never hand jax a buffer we mutate later
         sampling, cfg=cfg, child_sampling=tree.child_sampling,
-        kv_len=kv_bucket(int(r.cache_lens[active].max(initial=0)) + 2 + n, r.max_len),
+        kv_len=r.kv_len(active, int(r.cache_lens[active].max(initial=0)) + 2 + n),
     )  # fmt: skip
     r.cache = commit_path(r.cache, ks, vs, slots, r.cache_lens.copy(), accepted)
     return emitted, num, accepted
@@ -236,6 +212,10 @@ class TargetWorker:
     @property
     def cache_lens(self) -> np.ndarray:
         return self.runner.cache_lens
+
+    def reserve(self, slots, lengths) -> None:
+        """Rows will grow to about `lengths` tokens: verify reads that many positions."""
+        self.runner.reserve(slots, lengths)
 
     def prefill(self, slots, prompts, sampling: SamplingBatch) -> np.ndarray:
         """Prefills prompts into slots; returns each row's first output token (root)."""

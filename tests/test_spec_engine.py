@@ -273,3 +273,46 @@ def test_metrics_per_call_and_running_totals(target_dir, prompts):
         llm.get_metrics()["num_drafts"]
         == total["num_drafts"] + llm.last_generate_metrics["num_drafts"]
     )
+
+
+def test_a_request_reads_one_kv_length_from_start_to_end(target_dir, prompts, monkeypatch):
+    """Its planned length (prompt + max_tokens + tree) is reserved at admission, so a
+    request crossing the 128-position floor compiles no second KV variant."""
+    from specdec.kernels import kv_cache
+
+    seen = []
+    real = kv_cache.ModelRunner.kv_len
+    monkeypatch.setattr(
+        kv_cache.ModelRunner, "kv_len", lambda self, *a: seen.append(real(self, *a)) or seen[-1]
+    )
+    long = SamplingParams(temperature=0, max_tokens=140, ignore_eos=True)
+    llm = LLM(target_dir, max_model_len=256, max_num_seqs=2, speculative_config={
+        "method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 4,
+        "max_depth": 4, "topk": 1})  # fmt: skip
+    spec = llm.generate([prompts[0]], long, use_tqdm=False)[0].outputs[0].token_ids
+    assert set(seen) == {256}, sorted(set(seen))  # prompt + 140 + tree <= 256: one variant
+    ar = LLM(target_dir, max_model_len=256, max_num_seqs=2)
+    assert spec == ar.generate([prompts[0]], long, use_tqdm=False)[0].outputs[0].token_ids
+    # Released rows reserve nothing: a short request afterwards reads the floor.
+    seen.clear()
+    llm.generate([prompts[1]], GREEDY, use_tqdm=False)
+    assert set(seen) == {128}
+
+
+def test_reservations_are_capped():
+    from specdec.kernels.kv_cache import KV_RESERVE_CAP, ModelRunner
+
+    cfg = tiny_config()
+    import jax
+
+    from specdec.kernels.transformer import init_params
+
+    r = ModelRunner(cfg, init_params(cfg, jax.random.key(0)), num_slots=2, max_len=4096)
+    rows = np.array([True, False])
+    assert r.kv_len(rows, 10) == 128
+    r.reserve([0], [300])
+    assert r.kv_len(rows, 10) == 512 and r.kv_len(~rows, 10) == 128
+    r.reserve([0], [100_000])
+    assert r.kv_len(rows, 10) == KV_RESERVE_CAP and r.kv_len(rows, 1500) == 2048
+    r.release(0)
+    assert r.kv_len(rows, 10) == 128

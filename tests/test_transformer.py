@@ -7,7 +7,7 @@ import pytest
 
 from specdec.kernels import transformer as T
 from specdec.kernels.config import Architecture, ModelConfig
-from specdec.workers import tree_block
+from specdec.kernels.megakernel.reference import tree_block
 
 CONFIGS = {
     "llama_gqa": ModelConfig(

@@ -56,7 +56,7 @@ def tree_block(
 
     Block index 0 is the root; node i is block index i + 1. Example: depths
     [1, 1, 2] with 7 committed tokens -> positions [7, 8, 8, 9]. A padding node sees
-    only itself. (Same as `specdec.workers.tree_block`, which kernels/ may not import.)
+    only itself. The XLA verify step (`specdec.workers.verify_step`) builds its block here too.
     """
     b, n = tokens.shape
     valid = parents >= -1
