@@ -183,7 +183,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _mm(x: jax.Array, w: jax.Array) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., in] @ w [in, out] with inputs in w's dtype and f32 accumulation.
 
     XLA CPU runs a one-row bfloat16 product as a slow matrix-vector loop: over
@@ -201,11 +201,11 @@ def _mm(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def _mlp(cfg: ModelConfig, lp: dict, h: jax.Array) -> jax.Array:
     if not cfg.is_moe:
-        a = jax.nn.silu(_mm(h, lp["w_gate"])) * _mm(h, lp["w_up"])
-        return _mm(a, lp["w_down"])
+        a = jax.nn.silu(matmul(h, lp["w_gate"])) * matmul(h, lp["w_up"])
+        return matmul(a, lp["w_down"])
     # Routed experts, computed densely (every expert on every token, then
     # weighted): exact, and fine for a reference; a grouped kernel is future work.
-    router = jax.nn.softmax(_mm(h, lp["router"]), axis=-1)  # [B, N, E]
+    router = jax.nn.softmax(matmul(h, lp["router"]), axis=-1)  # [B, N, E]
     top_w, top_i = jax.lax.top_k(router, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
@@ -252,7 +252,7 @@ def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_c
     b, n, _ = x.shape
     hd = cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = _mm(h, lp["wq"]), _mm(h, lp["wk"]), _mm(h, lp["wv"])
+    q, k, v = matmul(h, lp["wq"]), matmul(h, lp["wk"]), matmul(h, lp["wv"])
     if cfg.attention_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(b, n, cfg.num_heads, hd)
@@ -264,7 +264,7 @@ def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_c
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     attn = _attention(cfg, q, k, v, k_cache, v_cache, cache_mask, block_mask)
-    x = x + _mm(attn, lp["wo"])
+    x = x + matmul(attn, lp["wo"])
     x = x + _mlp(cfg, lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
     return x, k, v
 
@@ -273,8 +273,8 @@ def lm_head(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
     """Final norm + vocabulary projection: x f32[..., D] -> logits f32[..., V]."""
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if cfg.tie_word_embeddings:
-        return _mm(h, params["embed"].T)
-    return _mm(h, params["lm_head"])
+        return matmul(h, params["embed"].T)
+    return matmul(h, params["lm_head"])
 
 
 # ----------------------------------------------------------------------------- forward

@@ -60,7 +60,7 @@ def plan_tree(cfg: ModelConfig, dtype=jnp.float32, max_bytes: int = 256 << 20) -
     width = 3 * (cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size)
     width = min(width * cfg.num_layers, max_bytes // (d * jnp.dtype(dtype).itemsize))
     w = jnp.ones((d, width), dtype) * 0.01
-    f = jax.jit(lambda x: transformer._mm(x, w))  # the model's own product (one-row path too)
+    f = jax.jit(lambda x: transformer.matmul(x, w))  # the model's own product
     base = _time(f, jnp.ones((1, d), dtype))
     cost, score = {}, {}
     floor = 1.0  # a bigger block never costs less (timing noise aside)

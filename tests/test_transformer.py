@@ -148,11 +148,11 @@ def test_forward_train_matches_prefill():
 
 @pytest.mark.parametrize("lead", [(1,), (1, 1), (3,), (2, 4)])
 def test_one_row_bfloat16_product_matches_plain_matmul(lead):
-    """The one-row bfloat16 detour in `_mm` (two rows, first kept) changes no number."""
+    """The one-row bfloat16 detour in `matmul` (two rows, first kept) changes no number."""
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.normal(size=(40, 24)), jnp.bfloat16)
     x = jnp.asarray(rng.normal(size=(*lead, 40)), jnp.float32)
-    got = jax.jit(T._mm)(x, w)
+    got = jax.jit(T.matmul)(x, w)
     want = jnp.matmul(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
     assert got.shape == (*lead, 24) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
