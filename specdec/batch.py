@@ -326,10 +326,7 @@ def generate_file(
     writer = ResultWriter(output_path)
     bar = Progress(len(todo), progress)
     try:
-        for r in todo:
-            if r.error is not None:
-                writer.write(r.error_row())
-                bar.update({}, 0)
+        _write_bad_rows(todo, writer, bar)
         for out, tokens in stream(llm, (r for r in todo if r.error is None)):
             writer.write(out)
             bar.update(out, tokens)
@@ -337,6 +334,14 @@ def generate_file(
         bar.close()
         writer.close()
     return BatchResult(writer.rows, writer.errors, len(rows) - len(todo), bar.summary())
+
+
+def _write_bad_rows(todo: list[Row], writer: ResultWriter, bar: Progress) -> None:
+    """Rows that failed their checks are results too: written first, in input order."""
+    for r in todo:
+        if r.error is not None:
+            writer.write(r.error_row())
+            bar.update({}, 0)
 
 
 def _plan(input_path: Path, output_path: Path, defaults: SamplingParams):
@@ -410,10 +415,7 @@ def generate_file_ray(
     writer = ResultWriter(output_path)
     bar = Progress(len(todo), progress)
     try:
-        for r in todo:
-            if r.error is not None:
-                writer.write(r.error_row())
-                bar.update({}, 0)
+        _write_bad_rows(todo, writer, bar)
         good = [
             {
                 "line": r.line,
