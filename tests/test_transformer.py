@@ -168,3 +168,31 @@ def test_kv_cache_is_float32_on_cpu_for_bfloat16_weights():
     assert jax.default_backend() == "cpu"
     assert runner.cache.k.dtype == jnp.float32 == T.cache_dtype(jnp.bfloat16)
     assert runner.params["embed"].dtype == jnp.bfloat16
+
+
+def test_prefill_chunk_lengths():
+    from specdec.kernels.kv_cache import chunk_len
+
+    assert [chunk_len(n, 512) for n in (1, 3, 5, 100, 128)] == [1, 4, 8, 128, 128]
+    assert [chunk_len(n, 512) for n in (129, 256, 257, 300, 384, 385, 512)] == [
+        256, 256, 384, 384, 384, 512, 512,
+    ]  # fmt: skip
+    assert chunk_len(900, 512) == 512 and chunk_len(100, 64) == 64
+
+
+def test_prefill_with_a_non_power_of_two_chunk_matches_the_plain_forward():
+    """Prompts of 300 and 130 tokens prefill as one 384-token chunk (`chunk_len`)."""
+    import dataclasses
+
+    from specdec.kernels.kv_cache import ModelRunner
+
+    cfg = dataclasses.replace(CONFIGS["qwen3_kv1"], max_position_embeddings=1024)
+    params = T.init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (300, 130)]
+    r = ModelRunner(cfg, params, num_slots=2, max_len=1024)
+    got = np.asarray(r.prefill([0, 1], prompts))
+    for i, p in enumerate(prompts):
+        want = T.forward_train(params, cfg, jnp.array([p]))[0, -1]
+        np.testing.assert_allclose(got[i], np.asarray(want), atol=2e-5, rtol=0)
+    assert list(r.cache_lens) == [300, 130]
