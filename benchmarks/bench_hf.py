@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=8)  # the tree bench_spec.py measures best
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="both libraries; default 1 = plain greedy")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -51,7 +53,10 @@ def main() -> None:
 
     def hf(assistant=None):
         outs = []
-        kw = dict(do_sample=False, max_new_tokens=args.max_tokens, pad_token_id=tok.eos_token_id)
+        # repetition_penalty always given: transformers would take the folder's
+        # generation_config.json value otherwise (the demo pair ships 1.2).
+        kw = dict(do_sample=False, max_new_tokens=args.max_tokens, pad_token_id=tok.eos_token_id,
+                  repetition_penalty=args.repetition_penalty)  # fmt: skip
         if assistant is not None:
             kw["assistant_model"] = assistant
         with torch.no_grad():
@@ -64,7 +69,8 @@ def main() -> None:
     def ours(spec):
         llm = LLM(args.target, max_num_seqs=1, max_model_len=1024, speculative_config=spec,
                   dtype=args.dtype)  # fmt: skip
-        params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens,
+                                repetition_penalty=args.repetition_penalty)  # fmt: skip
 
         def once():
             return [

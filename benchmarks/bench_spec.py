@@ -35,10 +35,10 @@ def methods(draft: str, depth: int, tree_nodes: int, topk: int,
     }  # fmt: skip
 
 
-def run(target, spec, prompts, batch, max_tokens, max_model_len, dtype):
+def run(target, spec, prompts, batch, max_tokens, max_model_len, dtype, penalty=1.0):
     llm = LLM(target, max_num_seqs=batch, max_model_len=max_model_len, speculative_config=spec,
               dtype=dtype)  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, repetition_penalty=penalty)
     # One untimed pass over every prompt compiles every shape the timed pass meets
     # (prefill buckets per prompt length, K/V-length buckets of the decode steps):
     # the timed pass measures decoding, not XLA compiling.
@@ -83,6 +83,12 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["ar", "chain", "tree", "ngram"])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                     choices=["float32", "bfloat16"])  # fmt: skip
+    ap.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="default 1 = plain greedy (the demo pair's generate default is 1.2)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -92,7 +98,8 @@ def main() -> None:
     for batch in args.batch_sizes:
         for dtype in args.dtypes:
             for name in args.methods:
-                r = run(args.target, specs[name], prompts, batch, args.max_tokens, 1024, dtype)
+                r = run(args.target, specs[name], prompts, batch, args.max_tokens, 1024, dtype,
+                        args.repetition_penalty)  # fmt: skip
                 results[(name, batch, dtype)] = r
     print(f"{len(prompts)} held-out prompts, greedy, {args.max_tokens} new tokens; "
           "x = speedup over AR in the same dtype, best = over the faster AR dtype")  # fmt: skip

@@ -92,11 +92,20 @@ def unpack(data: bytes, kind: str, round_id: int | None = None) -> dict:
 
 
 def sampling_fields(s: SamplingBatch) -> dict:
-    return {f"sampling_{k}": np.asarray(getattr(s, k)) for k in _SAMPLING}
+    out = {f"sampling_{k}": np.asarray(getattr(s, k)) for k in _SAMPLING}
+    if s.seen is not None:  # repetition penalty rows: penalties and seen-token sets
+        out["sampling_repetition_penalty"] = np.asarray(s.repetition_penalty, np.float32)
+        out["sampling_seen"] = np.asarray(s.seen, bool)
+    return out
 
 
 def sampling_from(msg: dict) -> SamplingBatch:
     arrays = {k: decode_array(msg[f"sampling_{k}"], k) for k in _SAMPLING}
+    if "sampling_seen" in msg:
+        arrays["seen"] = decode_array(msg["sampling_seen"], "seen")
+        arrays["repetition_penalty"] = decode_array(
+            msg["sampling_repetition_penalty"], "repetition_penalty"
+        )
     return SamplingBatch(**arrays)
 
 

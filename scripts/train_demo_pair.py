@@ -131,6 +131,9 @@ class RunSettings:
     checkpoint_every_s: float
     log_every_s: float
     enforce_size_limits: bool  # the real pair's size rules (off for smoke runs)
+    # generation_config.json's default for `specdec generate` and transformers: greedy
+    # decoding of a model this small loops on one token; CTRL's 1.2 breaks the loops.
+    repetition_penalty: float = 1.2
 
     def model_config(self, which: str) -> ModelConfig:
         shape = self.target if which == "target" else self.draft
@@ -692,7 +695,12 @@ def write_hf_folder(out: Path, run_dir: Path, s: RunSettings, cfg: ModelConfig, 
     )
     write_json(
         out / "generation_config.json",
-        {"_from_model_config": True, "bos_token_id": EOT_ID, "eos_token_id": EOT_ID},
+        {
+            "bos_token_id": EOT_ID,
+            "eos_token_id": EOT_ID,
+            "do_sample": False,
+            "repetition_penalty": s.repetition_penalty,
+        },
     )
 
 

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from specdec.checkpoint import checkpoint_dtype, load_config, load_model
 from specdec.engine import LLMEngine
 from specdec.outputs import RequestOutput, SpecDecodeMetrics
-from specdec.params import SamplingParams, SpeculativeConfig, broadcast_params
+from specdec.params import SamplingParams, SpeculativeConfig, broadcast_params, generation_defaults
 from specdec.tokenizer import Tokenizer
 from specdec.workers import KernelName, TargetWorker, build_drafter
 
@@ -92,6 +92,7 @@ class LLM:
             )
         remote = cluster is not None or distributed_executor_backend == "ray"
         self.model_path = folder
+        self.generation_defaults = generation_defaults(folder)  # checked before any loading
         self.dtype = default_dtype(folder) if dtype == "auto" else dtype
         if remote:  # the weights load in the target actor, not here
             self.config, params = load_config(folder), None
@@ -148,6 +149,7 @@ class LLM:
             eos_token_ids=eos,
             drafter=drafter,
             seed=seed,
+            vocab_size=self.config.vocab_size,
         )
 
     # ------------------------------------------------------------------ input checks
@@ -205,7 +207,7 @@ class LLM:
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         prompts = list(prompts)
-        params = broadcast_params(sampling_params, len(prompts))
+        params = broadcast_params(sampling_params, len(prompts), self.get_default_sampling_params())
         if self.tokenizer is None and any(p.stop for p in params):
             raise ValueError("stop strings need a tokenizer; this model folder has none.")
         checked = [self._prompt_ids(p, i) for i, p in enumerate(prompts)]  # all before any work
@@ -235,7 +237,7 @@ class LLM:
         Text that could still turn out to be the start of a stop string is held
         back until it cannot; the deltas concatenate to the final `text`.
         """
-        params = broadcast_params(sampling_params, 1)[0]
+        params = broadcast_params(sampling_params, 1, self.get_default_sampling_params())[0]
         if self.tokenizer is None:
             raise ValueError(f"{self.model_path} has no tokenizer.json; streaming text needs one.")
         text, ids = self._prompt_ids(prompt, 0)
@@ -274,6 +276,11 @@ class LLM:
             )
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate(prompts)` uses without sampling_params: SamplingParams'
+        defaults with the fields the model's generation_config.json sets (as vLLM)."""
+        return SamplingParams(**self.generation_defaults)
 
     def get_metrics(self) -> dict:
         """Running speculative-decoding totals since this LLM was built (vLLM's names).

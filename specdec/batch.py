@@ -56,6 +56,7 @@ ROW_SAMPLING_FIELDS = (
     "top_p",
     "top_k",
     "min_p",
+    "repetition_penalty",
     "max_tokens",
     "stop",
     "stop_token_ids",

@@ -27,10 +27,18 @@ def _positive_int(text: str) -> int:
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    # None = the model's generation_config.json value, else the built-in default.
+    g.add_argument(
+        "--temperature", type=float, default=None,
+        help="0 = greedy (default, unless the model's generation_config.json sets one)",
+    )  # fmt: skip
+    g.add_argument("--top-p", type=float, default=None, help="default 1 (off)")
+    g.add_argument("--top-k", type=int, default=None, help="default 0 (off)")
+    g.add_argument("--min-p", type=float, default=None, help="default 0 (off)")
+    g.add_argument(
+        "--repetition-penalty", type=float, default=None,
+        help="> 1 discourages tokens already in the text (default 1 = off)",
+    )  # fmt: skip
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
@@ -63,12 +71,21 @@ def add_model_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 8) -> No
     )  # fmt: skip
 
 
-def sampling_from_args(args):
-    from specdec.params import SamplingParams
+# The CLI decodes greedily unless told otherwise (SamplingParams' own default is 1).
+CLI_SAMPLING_DEFAULTS = {"temperature": 0.0}
 
+
+def sampling_from_args(args):
+    """Flags given, else the model's generation_config.json, else CLI_SAMPLING_DEFAULTS."""
+    from specdec.params import SamplingParams, generation_defaults
+
+    fields = {**CLI_SAMPLING_DEFAULTS, **generation_defaults(args.model)}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
     return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+        **fields, max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
+        ignore_eos=args.ignore_eos,
     )  # fmt: skip
 
 

@@ -116,6 +116,7 @@ class LLMEngine:
         eos_token_ids: tuple[int, ...] = (),
         drafter: Drafter | None = None,
         seed: int = 0,
+        vocab_size: int | None = None,  # needed for repetition_penalty
     ):
         self.target = target
         self.tokenizer = tokenizer
@@ -123,6 +124,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.drafter = drafter
+        self.vocab_size = vocab_size
         self.waiting: deque[Sequence] = deque()
         self.slots: list[Sequence | None] = [None] * max_num_seqs
         self.spec_metrics = SpecDecodeMetrics()
@@ -139,6 +141,8 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> Sequence:
+        if params.repetition_penalty != 1 and self.vocab_size is None:
+            raise ValueError("repetition_penalty needs the engine's vocab_size.")
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
         detok = None
         if self.tokenizer is not None:
@@ -193,7 +197,20 @@ class LLMEngine:
             b.min_p[i] = p.min_p
             b.seed[i] = s.seed
             b.counter[i] = len(s.output_ids)
-        return b
+        penalized = [
+            i for i, s in enumerate(seqs) if s is not None and s.params.repetition_penalty != 1
+        ]
+        if not penalized:
+            return b
+        # Each penalised row's prompt + output so far (the verify adds the tree paths).
+        pen = np.ones(n, np.float32)
+        seen = np.zeros((n, self.vocab_size), bool)
+        for i in penalized:
+            s = seqs[i]
+            pen[i] = s.params.repetition_penalty
+            seen[i, s.prompt_token_ids] = True
+            seen[i, s.output_ids] = True
+        return dataclasses.replace(b, repetition_penalty=pen, seen=seen)
 
     def _admit(self) -> list[Sequence]:
         free = [i for i, s in enumerate(self.slots) if s is None]

@@ -22,6 +22,9 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens with this much mass; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     min_p: float = 0.0  # drop tokens below min_p * p(most likely token); 0 = off
+    # > 1 discourages tokens already in the prompt or output: their logit is divided
+    # by it when positive, multiplied when negative (HF / vLLM); 1 = off
+    repetition_penalty: float = 1.0
     max_tokens: int = 16  # output tokens at most (never exceeded, even inside an accepted run)
     stop: tuple[str, ...] | None = None  # stop strings; the text ends before the first found
     stop_token_ids: tuple[int, ...] | None = None  # token ids that end the output (kept in it)
@@ -44,6 +47,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be 0 (disable) or a positive integer, got {self.top_k}.")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}."
+            )
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if self.stop is not None:
@@ -122,12 +129,44 @@ class SpeculativeConfig:
         return cls(**d)
 
 
+# generation_config.json keys that set sampling defaults, as vLLM reads them. The
+# sampling-only ones count when the file says do_sample: true (as in transformers).
+GENERATION_CONFIG_SAMPLING = ("temperature", "top_p", "top_k", "min_p")
+GENERATION_CONFIG_ALWAYS = ("repetition_penalty",)
+
+
+def generation_defaults(folder) -> dict:
+    """SamplingParams fields a model folder's generation_config.json sets ({} if none).
+
+    Example: {"do_sample": false, "repetition_penalty": 1.2} -> {"repetition_penalty":
+    1.2}; {"do_sample": true, "temperature": 0.6, "top_p": 0.9} -> both fields.
+    A value SamplingParams refuses is an error naming the file.
+    """
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "generation_config.json"
+    try:
+        gen = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    keys = GENERATION_CONFIG_ALWAYS + (GENERATION_CONFIG_SAMPLING if gen.get("do_sample") else ())
+    out = {k: gen[k] for k in keys if gen.get(k) is not None}
+    try:
+        SamplingParams(**out)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return out
+
+
 def broadcast_params(
-    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int, default=None
 ) -> list[SamplingParams]:
-    """One `SamplingParams` per prompt (a single one is shared by all)."""
+    """One `SamplingParams` per prompt (a single one is shared by all); None = `default`."""
     if params is None:
-        return [SamplingParams()] * n
+        return [default or SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

@@ -73,6 +73,7 @@ def verify_step(
     logits, ks, vs = transformer.block_logits_kv(
         params, cache, block, positions, mask, slots, cache_lens, cfg=cfg, kv_len=kv_len
     )
+    logits = sampling.penalize(logits, block, mask)  # before greedy and sampled choices alike
     is_greedy = sampling.temperature == 0
     argmax = jnp.argmax(logits, axis=-1)  # [B, N+1], lowest id on ties
     if n == 0:  # plain decode: the bonus token is the only token
@@ -123,7 +124,7 @@ def commit_path(
 @functools.partial(jax.jit)
 def sample_first(logits: jax.Array, sampling: SamplingBatch) -> jax.Array:
     """First output token per row from last-prompt-token logits f32[B, V] -> i32[B]."""
-    p = sampling.probs(logits[:, None])[:, 0]
+    p = sampling.probs(sampling.penalize(logits[:, None]))[:, 0]
     return jax.vmap(sample_from_uniform)(p, sampling.uniforms(1)[:, 0])
 
 
@@ -236,7 +237,10 @@ class TargetWorker:
         """
         r = self.runner
         slots = np.where(active, np.arange(r.num_slots, dtype=np.int32), -1).astype(np.int32)
-        emitted, num, accepted = self._verify(r, self.cfg, roots, tree, slots, active, sampling)
+        # The megakernel's in-kernel greedy walk knows no repetition penalty: steps with
+        # a penalised row take the XLA verify, which computes the same verdict otherwise.
+        verify = _verify_xla if sampling.seen is not None else self._verify
+        emitted, num, accepted = verify(r, self.cfg, roots, tree, slots, active, sampling)
         emitted, num, accepted = np.asarray(emitted), np.asarray(num), np.asarray(accepted)
         r.cache_lens[active] += 1 + num[active]
         return emitted, num, accepted

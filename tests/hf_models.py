@@ -279,7 +279,9 @@ def hf_logits(model, prompt: list[int]) -> np.ndarray:
     return out.logits[0].float().numpy()
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(
+    model, prompt: list[int], max_new_tokens: int, repetition_penalty: float = 1.0
+) -> list[int]:
     """`model.generate` greedy continuation of one prompt, EOS disabled (exact length)."""
     import torch
     from transformers import GenerationConfig
@@ -290,6 +292,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         eos_token_id=None,
         bos_token_id=None,
         pad_token_id=0,
+        repetition_penalty=repetition_penalty,
     )
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt], dtype=torch.long), generation_config=gen)

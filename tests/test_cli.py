@@ -48,3 +48,28 @@ def test_generate_bad_input_is_a_clear_error(pair, capsys):
     assert rc == 2 and "does not exist" in capsys.readouterr().err
     rc = main(["generate", "x", "--model", str(pair), "--method", "draft_model"])
     assert rc == 2 and "needs --draft" in capsys.readouterr().err
+
+
+def test_sampling_flags_over_generation_config_over_cli_defaults(tmp_path):
+    import argparse
+    import json
+
+    from specdec.cli import add_sampling_arguments, sampling_from_args
+
+    p = argparse.ArgumentParser()
+    add_sampling_arguments(p)
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.6, "repetition_penalty": 1.2})
+    )
+
+    def params(*argv):
+        args = p.parse_args(list(argv))
+        args.model = str(tmp_path)
+        return sampling_from_args(args)
+
+    got = params()
+    assert (got.temperature, got.repetition_penalty, got.top_p) == (0.6, 1.2, 1.0)
+    got = params("--temperature", "0", "--repetition-penalty", "1")
+    assert (got.temperature, got.repetition_penalty) == (0.0, 1.0)
+    (tmp_path / "generation_config.json").unlink()
+    assert params().temperature == 0.0  # the CLI's own default: greedy

@@ -6,6 +6,8 @@ checked here fast and exactly; tests/test_cluster.py repeats the end-to-end
 checks on real Ray actors.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from fixtures import tiny_pair
@@ -60,6 +62,13 @@ def test_verdict_and_sampling_roundtrip():
     for k in ("temperature", "top_k", "top_p", "min_p", "seed", "counter"):
         np.testing.assert_array_equal(getattr(s, k), getattr(back, k))
         assert getattr(back, k).dtype == getattr(s, k).dtype
+    assert back.seen is None and back.repetition_penalty is None
+    seen = np.zeros((2, 40), bool)
+    seen[1, [3, 39]] = True
+    s = dataclasses.replace(s, repetition_penalty=np.array([1.0, 1.3], np.float32), seen=seen)
+    back = m.sampling_from(m.unpack(m.pack("x", 1, **m.sampling_fields(s)), "x"))
+    np.testing.assert_array_equal(back.seen, seen)
+    np.testing.assert_array_equal(back.repetition_penalty, s.repetition_penalty)
     with pytest.raises(m.MessageError, match="expected a 'verdict' message"):
         m.unpack_verdict(m.pack("ack", 3), 3)
     with pytest.raises(m.MessageError, match="not a msgpack message"):
@@ -116,7 +125,8 @@ def local_engine(models, spec, overlap):
                       max_tree_nodes=drafter.max_nodes)  # fmt: skip
     target = RemoteTarget(LocalEndpoint("target", [tw]), num_slots=8,
                           max_tree_nodes=drafter.max_nodes, vocab_size=320)  # fmt: skip
-    return LLMEngine(target, None, max_num_seqs=8, max_model_len=MAX_LEN, drafter=drafter)
+    return LLMEngine(target, None, max_num_seqs=8, max_model_len=MAX_LEN, drafter=drafter,
+                     vocab_size=320)  # fmt: skip
 
 
 def run(engine, prompts, params):
@@ -128,9 +138,12 @@ def run(engine, prompts, params):
 
 
 SEEDED = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=5, ignore_eos=True)
+PENALIZED = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.5)
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "params", [GREEDY, SEEDED, PENALIZED], ids=["greedy", "seeded", "penalized"]
+)
 def test_remote_proxies_equal_in_process(models, spec, prompts, params):
     llm = LLM(models[0], max_model_len=MAX_LEN, max_num_seqs=8, speculative_config=spec)
     ref, ref_metrics = run(llm.engine, prompts, params)
@@ -141,7 +154,8 @@ def test_remote_proxies_equal_in_process(models, spec, prompts, params):
         stats = engine.drafter.overlap_stats()
         if overlap:
             assert stats["misses"] > 0  # rollbacks happened, and changed nothing
-            assert stats["hits"] > 0 or params.temperature > 0  # sampled runs rarely hit
+            # Sampled and penalised runs rarely hit (the draft guesses unpenalised).
+            assert stats["hits"] > 0 or params.temperature > 0 or params.repetition_penalty != 1
             print(f"\n{params.temperature=}: overlap hit rate {stats['hit_rate']:.2f}")
         else:
             assert stats["hits"] == stats["misses"] == 0

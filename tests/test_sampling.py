@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -208,3 +209,57 @@ def test_seeded_draws_are_batch_invariant():
     # Reordering the batch moves the results with the rows.
     perm = jnp.array([5, 3, 1, 0, 2, 4])
     np.testing.assert_array_equal(sample_rows(probs[perm], keys[perm]), together[perm])
+
+
+# ----------------------------------------------------------------------------- repetition penalty
+
+
+def test_penalize_covers_seen_tokens_and_each_positions_path():
+    from specdec.verify.batch import SamplingBatch
+
+    b = SamplingBatch.make_dummy(1)
+    seen = np.zeros((1, 12), bool)
+    seen[0, 5] = True
+    b = dataclasses.replace(b, repetition_penalty=np.array([2.0], np.float32), seen=seen)
+    logits = jnp.full((1, 3, 12), 4.0).at[:, :, 0].set(-4.0)
+    # Block [root 9, node 7 (child of root), node 0 (child of root)].
+    block = jnp.array([[9, 7, 0]])
+    visible = jnp.array([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], bool)
+    out = np.asarray(b.penalize(logits, block, visible))[0]
+    want = np.full((3, 12), 4.0)
+    want[:, 0] = -4.0
+    want[:, [5, 9]] = 2.0  # seen and root: every position
+    want[1, 7] = 2.0  # node 7's own path
+    want[2, 0] = -8.0  # negative logits are multiplied
+    np.testing.assert_array_equal(out, want)
+    assert b.penalize(logits[:, :1]).shape == (1, 1, 12)  # no block: the seen set only
+    plain = SamplingBatch.make_dummy(1)
+    assert plain.penalize(logits, block, visible) is logits
+
+
+def test_repetition_penalty_is_validated():
+    from specdec.params import SamplingParams
+
+    for bad in (0, -1.0, float("nan"), "2"):
+        with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+            SamplingParams(repetition_penalty=bad)
+    assert SamplingParams(repetition_penalty=0.5).repetition_penalty == 0.5
+
+
+def test_generation_config_defaults(tmp_path):
+    import json
+
+    from specdec.params import generation_defaults
+
+    assert generation_defaults(tmp_path) == {}
+    f = tmp_path / "generation_config.json"
+    f.write_text(json.dumps({"do_sample": False, "temperature": 0.6, "repetition_penalty": 1.2}))
+    assert generation_defaults(tmp_path) == {"repetition_penalty": 1.2}
+    f.write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 0}))
+    assert generation_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.9, "top_k": 0}
+    f.write_text(json.dumps({"repetition_penalty": -1}))
+    with pytest.raises(ValueError, match="generation_config.json: repetition_penalty must be"):
+        generation_defaults(tmp_path)
+    f.write_text("{")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        generation_defaults(tmp_path)

@@ -316,3 +316,94 @@ def test_reservations_are_capped():
     assert r.kv_len(rows, 10) == KV_RESERVE_CAP and r.kv_len(rows, 1500) == 2048
     r.release(0)
     assert r.kv_len(rows, 10) == 128
+
+
+# ----------------------------------------------------------------------------- repetition penalty
+
+PENALIZED = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.5)
+
+
+@pytest.fixture(scope="module")
+def penalized_reference(target_dir, prompts):
+    llm = LLM(target_dir, max_model_len=MAX_LEN, max_num_seqs=8)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts[:24], PENALIZED, use_tqdm=False)]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dict(draft="same", num_speculative_tokens=5, max_depth=5, topk=1),
+        dict(draft="same", num_speculative_tokens=16, max_depth=5, topk=3),
+        dict(draft="unrelated", num_speculative_tokens=8, max_depth=4, topk=2),
+        dict(method="ngram", num_speculative_tokens=8, max_depth=4, topk=2),
+    ],
+    ids=["chain", "tree", "unrelated_tree", "ngram"],
+)
+def test_repetition_penalty_greedy_equals_ar(
+    target_dir, unrelated_dir, prompts, reference, penalized_reference, spec
+):
+    spec = dict(spec)
+    draft = {"same": target_dir, "unrelated": unrelated_dir}.get(spec.pop("draft", None))
+    llm = spec_llm(target_dir, draft, **spec)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts[:24], PENALIZED, use_tqdm=False)]
+    assert got == penalized_reference
+    assert got != reference[:24]  # the penalty changed outputs: this test can fail
+
+
+def test_repetition_penalty_seeded_determinism(target_dir, unrelated_dir, prompts):
+    llm = spec_llm(target_dir, unrelated_dir, **SHAPES["model_tree"])
+    p = SamplingParams(temperature=0.8, max_tokens=16, seed=5, repetition_penalty=1.3)
+    alone = llm.generate([prompts[0]], p, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate([prompts[0]], p, use_tqdm=False)[0].outputs[0].token_ids == alone
+    others = [SamplingParams(temperature=1.0, max_tokens=16, seed=s) for s in range(3)]
+    batch = llm.generate(prompts[1:4] + [prompts[0]], others + [p], use_tqdm=False)
+    assert batch[3].outputs[0].token_ids == alone
+
+
+@pytest.mark.slow
+def test_repetition_penalty_first_two_tokens_match_target_marginals(small_vocab_pair):
+    """Sampling with a penalty: the second token's context holds the first (a tree path)."""
+    import jax.numpy as jnp
+
+    from specdec.checkpoint import load_model
+    from specdec.kernels.transformer import prefill_logits
+    from specdec.verify.sampling import sampling_probs
+
+    target_dir, draft_dir = small_vocab_pair
+    llm = LLM(
+        target_dir, max_model_len=32, max_num_seqs=64,
+        speculative_config={"method": "draft_model", "model": str(draft_dir),
+                            "num_speculative_tokens": 8, "max_depth": 3, "topk": 2},
+    )  # fmt: skip
+    # This target's logits are small: a low temperature makes the penalty matter.
+    prompt, pen, temp, n = [3, 1, 4, 1, 5], 3.0, 0.1, 5000
+    sp = [
+        SamplingParams(max_tokens=2, ignore_eos=True, seed=i, temperature=temp,
+                       repetition_penalty=pen)
+        for i in range(n)
+    ]  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n, sp, use_tqdm=False)
+    toks = np.array([o.outputs[0].token_ids for o in outs])
+    assert llm.get_metrics()["num_accepted_tokens"] > 0.05 * n
+
+    v = llm.config.vocab_size
+    cfg, weights = load_model(target_dir)
+    seqs = np.array([prompt + [t] for t in range(v)])
+    logits = np.asarray(prefill_logits(weights, cfg, seqs, np.full(v, len(prompt) + 1)))
+
+    def penalized(lg, context):
+        lg = lg.copy()
+        for t in set(context):
+            lg[..., t] = lg[..., t] / pen if lg[..., t] > 0 else lg[..., t] * pen
+        return np.asarray(sampling_probs(jnp.asarray(lg), temp, 0, 1.0, 0.0))
+
+    p1 = penalized(logits[0, len(prompt) - 1], prompt)
+    p2_given = np.stack([penalized(logits[t, len(prompt)], prompt + [t]) for t in range(v)])
+    p2 = p1 @ p2_given
+    plain = np.asarray(sampling_probs(jnp.asarray(logits[0, len(prompt) - 1]), temp, 0, 1.0, 0))
+    assert 0.5 * np.abs(plain - p1).sum() > 0.03  # the penalty moves it (chi2 can tell)
+    c1 = np.bincount(toks[:, 0], minlength=v)
+    c2 = np.bincount(toks[:, 1], minlength=v)
+    assert chi2_pvalue(c1, p1) > 1e-3
+    assert chi2_pvalue(c2, p2) > 1e-3
+    assert 0.5 * np.abs(c2 / n - p2).sum() < 3 * math.sqrt(v / n)

@@ -57,6 +57,11 @@ def test_all_stages_export_a_loadable_pair(full_run):
             want = np.asarray(stored[f"params/{i:04d}"], np.float32)
             want = want.astype(jnp.bfloat16).astype(np.float32)
             np.testing.assert_array_equal(np.asarray(leaf, np.float32), want)
+    gen = json.loads((export / "target" / "generation_config.json").read_text())
+    assert gen["repetition_penalty"] == 1.2 and gen["do_sample"] is False
+    from specdec.params import generation_defaults
+
+    assert generation_defaults(export / "target") == {"repetition_penalty": 1.2}
     info = json.loads((export / "training.json").read_text())
     for key in ("target_fp32", "draft_fp32", "target_more_fp32", "draft_more_fp32"):
         assert np.isfinite(info[key]["loss"]), key

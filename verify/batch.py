@@ -26,6 +26,8 @@ class SamplingBatch:
     min_p: jax.Array  # f32[B], 0 = off
     seed: jax.Array  # u32[B]
     counter: jax.Array  # i32[B], output tokens the request already has
+    repetition_penalty: jax.Array | None = None  # f32[B], 1 = off; None = off for all rows
+    seen: jax.Array | None = None  # bool[B, V]: tokens in each row's prompt + output
 
     @classmethod
     def make_dummy(cls, batch: int) -> SamplingBatch:
@@ -38,6 +40,31 @@ class SamplingBatch:
             seed=np.zeros(batch, np.uint32),
             counter=np.zeros(batch, np.int32),
         )
+
+    def penalize(
+        self,
+        logits: jax.Array,  # f32[B, M, V], position m's next-token logits
+        block: jax.Array | None = None,  # i32[B, M] the block's own tokens
+        visible: jax.Array | None = None,  # bool[B, M, M] position m sees position j
+    ) -> jax.Array:
+        """The repetition penalty: tokens in a row's prompt + output (`seen`), or
+        at a block position the position sees (its tree path), get their logit
+        divided by the penalty when positive and multiplied when negative.
+
+        Example: seen = {5}, block [root 9, node 7 (child of root)], penalty 2:
+        position 0 penalises {5, 9}, position 1 penalises {5, 9, 7}.
+        """
+        if self.seen is None:
+            return logits
+        b, m, v = logits.shape
+        hit = jnp.broadcast_to(self.seen[:, None, :v], (b, m, v))
+        if block is not None:
+            rows = jnp.arange(b)[:, None, None]
+            pos = jnp.arange(m)[None, :, None]
+            toks = jnp.where(visible, block[:, None, :], v)  # v = out of range: dropped
+            hit = hit.at[rows, pos, toks].set(True, mode="drop")
+        pen = self.repetition_penalty[:, None, None]
+        return jnp.where(hit, jnp.where(logits > 0, logits / pen, logits * pen), logits)
 
     def probs(self, logits: jax.Array) -> jax.Array:
         """Target distribution per row: logits f32[B, M, V] -> f32[B, M, V]."""
