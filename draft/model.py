@@ -136,6 +136,15 @@ class ModelDrafter:
             pend[s, : len(p)] = p
             pend_len[s] = len(p)
         slots = np.where(active, np.arange(s_count), -1).astype(np.int32)
+        seen = penalty = None
+        if sampling is not None and sampling.seen is not None:
+            # Penalised rows: rank children as the target will (by the committed tokens;
+            # a node's own path is not counted here, only in the verify).
+            v = self.cfg.vocab_size
+            seen = np.zeros((s_count, v), bool)
+            w = min(v, np.shape(sampling.seen)[1])
+            seen[:, :w] = np.asarray(sampling.seen)[:, :w]
+            penalty = np.asarray(sampling.repetition_penalty, np.float32)
         # The last commit's K/V moves run inside this same call: one dispatch per step.
         deferred, self._deferred = self._deferred, self._no_commit()
         tokens, parents, expanded, r.cache = _grow(
@@ -146,6 +155,8 @@ class ModelDrafter:
             pend_len,
             slots,
             r.cache_lens.copy(),
+            seen,
+            penalty,
             cfg=self.cfg,
             topk=self.topk,
             max_depth=self.max_depth,
@@ -326,8 +337,8 @@ def greedy_chain(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     static_argnames=("cfg", "topk", "max_depth", "num_nodes", "vocab_limit", "kv_len"),
     donate_argnames=("cache",),
 )
-def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, *, cfg, topk, max_depth,
-          num_nodes, vocab_limit, kv_len):  # fmt: skip
+def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, penalty, *, cfg,
+          topk, max_depth, num_nodes, vocab_limit, kv_len):  # fmt: skip
     """The last commit's K/V moves (`deferred`, the `commit_kv` arguments after the
     cache), then catch-up + expansion + rerank (module docstring).
 
@@ -342,7 +353,12 @@ def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, *, cfg, to
     c_total = max_depth * w
     region = max(max_depth - 1, 1) * k
 
-    def top_children(logits):  # [..., V] -> (logp [..., k], tokens [..., k])
+    def top_children(logits):  # [B, ..., V] -> (logp [B, ..., k], tokens [B, ..., k])
+        if seen is not None:  # repetition penalty (SamplingBatch.penalize's rule)
+            lead = (1,) * (logits.ndim - 2)
+            hit = seen.reshape(b, *lead, -1)
+            pen = penalty.reshape(b, *lead, 1)
+            logits = jnp.where(hit, jnp.where(logits > 0, logits / pen, logits * pen), logits)
         logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
         return jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
 
