@@ -479,14 +479,18 @@ def _record_metrics(run_dir: Path, key: str, compute: Callable[[], dict], log: L
         log(f"{key}: held-out {m}")
 
 
+def _initial_params(run_dir: Path, s: RunSettings, which: str, key, more: bool):
+    """Phase 1 starts from a seeded init, phase 2 from bf16(the phase-1 weights)."""
+    if more:
+        return bf16_round(load_final(run_dir, s, which)[1])
+    return init_params(s.model_config(which), key)
+
+
 def stage_target(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag, *, more: bool):
     """Phase 1 (`target`): from a seeded init. Phase 2 (`target_more`): from bf16(phase 1)."""
     cfg = s.model_config("target")
     key = jax.random.key(s.seed if not more else s.seed + 2)
-    if more:
-        params = bf16_round(load_final(run_dir, s, "target")[1])
-    else:
-        params = init_params(cfg, key)
+    params = _initial_params(run_dir, s, "target", key, more)
     name, st = ("target_more", s.target_more) if more else ("target", s.target_train)
     log(f"{name}: {cfg.num_params():,} parameters {dataclasses.asdict(s.target)}")
     windows = Windows(load_tokens(run_dir, "train"), s.seq_len, s.seed, salt=3 if more else 1)
@@ -523,10 +527,7 @@ def stage_draft(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag, *, more
     t_cfg, t_params = load_final(run_dir, s, "target_more" if more else "target")
     cfg = s.model_config("draft")
     key = jax.random.key(s.seed + 1 if not more else s.seed + 3)
-    if more:
-        params = bf16_round(load_final(run_dir, s, "draft")[1])
-    else:
-        params = init_params(cfg, key)
+    params = _initial_params(run_dir, s, "draft", key, more)
     name, st = ("draft_more", s.draft_more) if more else ("draft", s.draft_train)
     log(f"{name}: {cfg.num_params():,} parameters {dataclasses.asdict(s.draft)}")
     windows = Windows(load_tokens(run_dir, "train"), s.seq_len, s.seed, salt=4 if more else 2)

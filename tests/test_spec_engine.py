@@ -202,6 +202,14 @@ def small_vocab_pair(tmp_path_factory):
     return target, draft
 
 
+def small_vocab_llm(target_dir, draft_dir):
+    return LLM(
+        target_dir, max_model_len=32, max_num_seqs=64,
+        speculative_config={"method": "draft_model", "model": str(draft_dir),
+                            "num_speculative_tokens": 8, "max_depth": 3, "topk": 2},
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "params",
@@ -219,11 +227,7 @@ def test_first_two_tokens_match_target_marginals(small_vocab_pair, params):
     from specdec.verify.sampling import sampling_probs
 
     target_dir, draft_dir = small_vocab_pair
-    llm = LLM(
-        target_dir, max_model_len=32, max_num_seqs=64,
-        speculative_config={"method": "draft_model", "model": str(draft_dir),
-                            "num_speculative_tokens": 8, "max_depth": 3, "topk": 2},
-    )  # fmt: skip
+    llm = small_vocab_llm(target_dir, draft_dir)
     prompt = [3, 1, 4, 1, 5]
     n = 5000
     sp = [SamplingParams(max_tokens=2, ignore_eos=True, seed=i, **params) for i in range(n)]
@@ -370,11 +374,7 @@ def test_repetition_penalty_first_two_tokens_match_target_marginals(small_vocab_
     from specdec.verify.sampling import sampling_probs
 
     target_dir, draft_dir = small_vocab_pair
-    llm = LLM(
-        target_dir, max_model_len=32, max_num_seqs=64,
-        speculative_config={"method": "draft_model", "model": str(draft_dir),
-                            "num_speculative_tokens": 8, "max_depth": 3, "topk": 2},
-    )  # fmt: skip
+    llm = small_vocab_llm(target_dir, draft_dir)
     # This target's logits are small: a low temperature makes the penalty matter.
     prompt, pen, temp, n = [3, 1, 4, 1, 5], 3.0, 0.1, 5000
     sp = [
