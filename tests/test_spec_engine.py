@@ -330,7 +330,7 @@ PENALIZED = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repeti
 @pytest.fixture(scope="module")
 def penalized_reference(target_dir, prompts):
     llm = LLM(target_dir, max_model_len=MAX_LEN, max_num_seqs=8)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts[:24], PENALIZED, use_tqdm=False)]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts[:12], PENALIZED, use_tqdm=False)]
 
 
 @pytest.mark.parametrize(
@@ -349,9 +349,9 @@ def test_repetition_penalty_greedy_equals_ar(
     spec = dict(spec)
     draft = {"same": target_dir, "unrelated": unrelated_dir}.get(spec.pop("draft", None))
     llm = spec_llm(target_dir, draft, **spec)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts[:24], PENALIZED, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts[:12], PENALIZED, use_tqdm=False)]
     assert got == penalized_reference
-    assert got != reference[:24]  # the penalty changed outputs: this test can fail
+    assert got != reference[:12]  # the penalty changed outputs: this test can fail
 
 
 def test_repetition_penalty_seeded_determinism(target_dir, unrelated_dir, prompts):
@@ -366,7 +366,8 @@ def test_repetition_penalty_seeded_determinism(target_dir, unrelated_dir, prompt
 
 @pytest.mark.slow
 def test_repetition_penalty_first_two_tokens_match_target_marginals(small_vocab_pair):
-    """Sampling with a penalty: the second token's context holds the first (a tree path)."""
+    """Sampling with a penalty: the second token's context holds the first (a tree path).
+    3k seeded requests: the penalty moves these marginals far past chi-square's noise."""
     import jax.numpy as jnp
 
     from specdec.checkpoint import load_model
@@ -376,7 +377,7 @@ def test_repetition_penalty_first_two_tokens_match_target_marginals(small_vocab_
     target_dir, draft_dir = small_vocab_pair
     llm = small_vocab_llm(target_dir, draft_dir)
     # This target's logits are small: a low temperature makes the penalty matter.
-    prompt, pen, temp, n = [3, 1, 4, 1, 5], 3.0, 0.1, 5000
+    prompt, pen, temp, n = [3, 1, 4, 1, 5], 3.0, 0.1, 3000
     sp = [
         SamplingParams(max_tokens=2, ignore_eos=True, seed=i, temperature=temp,
                        repetition_penalty=pen)
