@@ -303,19 +303,6 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def quiet_libtpu_env() -> None:
-    """Environment for loading libtpu on a host without TPUs (the user's values win).
-
-    libtpu's start-up looks for this host's TPU type and worker addresses and, finding
-    neither, prints warnings and an INVALID_ARGUMENT trace on every run. Compiling for
-    a topology (`get_topology_desc`) uses neither, so any well-formed values silence
-    it; several AOT processes may also load libtpu at once.
-    """
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
-
-
 def main(
     argv: Sequence[str] | None = None,
     *,
@@ -326,7 +313,7 @@ def main(
     if not xla_bridge.backends_are_initialized() and "JAX_PLATFORMS" not in os.environ:
         # Compiling needs no local accelerator; never let libtpu grab one here.
         jax.config.update("jax_platforms", "cpu")
-    quiet_libtpu_env()
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     args = _parser().parse_args(argv)
     try:
         if args.config in PRESETS:

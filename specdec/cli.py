@@ -238,11 +238,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _aot(rest: list[str]) -> int:
-    # Compiling for a TPU needs no TPU: JAX stays on the CPU (no /tmp/libtpu_lockfile).
+    # Compiling for a TPU needs no TPU: JAX stays on the CPU (no libtpu start-up noise,
+    # no /tmp/libtpu_lockfile), and several AOT processes may load libtpu at once.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from specdec.kernels import aot
-
-    aot.quiet_libtpu_env()  # before the compile loads libtpu
 
     return aot.main(rest)
 
