@@ -4,6 +4,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 # `python -m pytest` puts the repository root on sys.path, where the top-level
@@ -13,3 +15,20 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # >= 5.25 imports: drop the root so the reference models load.
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drops each test module's compiled XLA programs once it is done.
+
+    The whole suite in one process compiles thousands of programs; each maps code
+    pages, and near the kernel's 65530-mapping limit (vm.max_map_count) the
+    process died in libgcc's unwinder late in the run (rc 139, twice).
+    """
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
