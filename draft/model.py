@@ -49,6 +49,7 @@ from specdec.kernels.config import ModelConfig
 from specdec.kernels.kv_cache import ModelRunner
 from specdec.kernels.transformer import Params
 from specdec.verify.batch import SamplingBatch
+from specdec.verify.sampling import repetition_penalized
 from specdec.verify.tree import ChildSampling
 
 from .base import DraftBatch
@@ -354,11 +355,11 @@ def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, pena
     region = max(max_depth - 1, 1) * k
 
     def top_children(logits):  # [B, ..., V] -> (logp [B, ..., k], tokens [B, ..., k])
-        if seen is not None:  # repetition penalty (SamplingBatch.penalize's rule)
+        if seen is not None:  # the rows' repetition penalty over their committed tokens
             lead = (1,) * (logits.ndim - 2)
-            hit = seen.reshape(b, *lead, -1)
-            pen = penalty.reshape(b, *lead, 1)
-            logits = jnp.where(hit, jnp.where(logits > 0, logits / pen, logits * pen), logits)
+            logits = repetition_penalized(
+                logits, seen.reshape(b, *lead, -1), penalty.reshape(b, *lead, 1)
+            )
         logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
         return jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
 

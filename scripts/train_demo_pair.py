@@ -630,47 +630,24 @@ def evaluate(run_dir: Path, s: RunSettings, *, target, draft) -> dict:
 # ----------------------------------------------------------------------------- stage 4
 
 
-def hf_config(s: RunSettings, cfg: ModelConfig) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "initializer_range": 0.02,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "use_cache": True,
-        "bos_token_id": EOT_ID,
-        "eos_token_id": EOT_ID,
-        "torch_dtype": "bfloat16",
-        "dtype": "bfloat16",
-    }
+# config.json fields transformers' LlamaConfig writes that `config_to_hf` leaves out.
+HF_CONFIG_EXTRA = {
+    "initializer_range": 0.02,
+    "rope_scaling": None,
+    "attention_dropout": 0.0,
+    "mlp_bias": False,
+    "pretraining_tp": 1,
+    "use_cache": True,
+    "bos_token_id": EOT_ID,
+    "eos_token_id": EOT_ID,
+}
 
 
 def write_hf_folder(out: Path, run_dir: Path, s: RunSettings, cfg: ModelConfig, params) -> None:
     from specdec.checkpoint import save_checkpoint
 
     out.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(out, cfg, params, dtype="bfloat16")
-    # It knows the shape, not the tokenizer: add ids and fields it may lack.
-    written = json.loads((out / "config.json").read_text())
-    for k, v in hf_config(s, cfg).items():
-        if k in ("bos_token_id", "eos_token_id") or k not in written:
-            written[k] = v
-    write_json(out / "config.json", written)
+    save_checkpoint(out, cfg, params, dtype="bfloat16", **HF_CONFIG_EXTRA)
     write_bytes_atomic(out / "tokenizer.json", (run_dir / "tokenizer.json").read_bytes())
     write_json(
         out / "tokenizer_config.json",

@@ -77,10 +77,15 @@ CLI_SAMPLING_DEFAULTS = {"temperature": 0.0}
 
 def sampling_from_args(args):
     """Flags given, else the model's generation_config.json, else CLI_SAMPLING_DEFAULTS."""
-    from specdec.params import SamplingParams, generation_defaults
+    from specdec.params import (
+        GENERATION_CONFIG_ALWAYS,
+        GENERATION_CONFIG_SAMPLING,
+        SamplingParams,
+        generation_defaults,
+    )
 
     fields = {**CLI_SAMPLING_DEFAULTS, **generation_defaults(args.model)}
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+    for name in GENERATION_CONFIG_SAMPLING + GENERATION_CONFIG_ALWAYS:  # each has a flag
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     return SamplingParams(

@@ -263,3 +263,12 @@ def test_generation_config_defaults(tmp_path):
     f.write_text("{")
     with pytest.raises(ValueError, match="is not valid JSON"):
         generation_defaults(tmp_path)
+
+
+def test_repetition_penalized_rule():
+    from specdec.verify.sampling import repetition_penalized
+
+    got = repetition_penalized(
+        jnp.array([2.0, -2.0, 2.0]), jnp.array([True, True, False]), jnp.float32(2.0)
+    )
+    np.testing.assert_array_equal(np.asarray(got), [1.0, -4.0, 2.0])

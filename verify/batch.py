@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .sampling import request_key, sampling_probs
+from .sampling import repetition_penalized, request_key, sampling_probs
 
 
 @jax.tree_util.register_dataclass
@@ -63,8 +63,7 @@ class SamplingBatch:
             pos = jnp.arange(m)[None, :, None]
             toks = jnp.where(visible, block[:, None, :], v)  # v = out of range: dropped
             hit = hit.at[rows, pos, toks].set(True, mode="drop")
-        pen = self.repetition_penalty[:, None, None]
-        return jnp.where(hit, jnp.where(logits > 0, logits / pen, logits * pen), logits)
+        return repetition_penalized(logits, hit, self.repetition_penalty[:, None, None])
 
     def probs(self, logits: jax.Array) -> jax.Array:
         """Target distribution per row: logits f32[B, M, V] -> f32[B, M, V]."""

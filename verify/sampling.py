@@ -35,6 +35,15 @@ __all__ = [
 
 
 @jax.jit
+def repetition_penalized(logits: jax.Array, hit: jax.Array, penalty: jax.Array) -> jax.Array:
+    """transformers' / vLLM's repetition penalty: where `hit`, a positive logit is
+    divided by `penalty` and a negative one multiplied by it (`penalty` broadcasts).
+
+    Example: logits [2, -2, 2], hit [T, T, F], penalty 2 -> [1, -4, 2].
+    """
+    return jnp.where(hit, jnp.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
 def sampling_probs(
     logits: jax.Array,  # f32[..., V]
     temperature: jax.Array,  # f32[...], 0 = greedy
