@@ -1,48 +1,55 @@
 """Speculative decoding vs plain autoregressive decoding on held-out prompts.
 
 Greedy, 128 new tokens, batch 1 and batch 8; plain AR, chain speculation
-(topk=1), tree speculation and n-gram speculation, in float32 and bfloat16
-weights, all measured in one run: tokens/s end to end (prefill included) and
-in decode alone (after each request's first token), acceptance length and
-rate, and speedups over AR at the same batch size, both over AR in the same
-dtype and over the faster of the two AR runs (the honest baseline: on XLA
-CPU a one-row bfloat16 product is no faster than a float32 one, while a
+(topk=1), a small tree, a 16-node tree and n-gram speculation, in float32 and
+bfloat16 weights, all measured in one run: tokens/s end to end (prefill
+included) and in decode alone (after each request's first token), acceptance
+length and rate, and speedups over AR at the same batch size, both over AR in
+the same dtype and over the faster of the two AR runs (the honest baseline: on
+XLA CPU a one-row bfloat16 product is no faster than a float32 one, while a
 17-row one is 1.6x faster, so bfloat16 helps speculation, not AR).
 
-    python benchmarks/bench_spec.py [--num-prompts 8] [--dtypes float32 bfloat16]
-        [--json results.json]
+Every engine of one batch size is built and compiled first; then `--rounds`
+rounds each run every engine once over all prompts, in an order that rotates
+per round. A speedup is taken within each round (paired: both engines ran
+seconds apart on the same machine state) and the median over rounds is
+reported, so the minutes-long swings of a shared machine do not land on one
+method only. tokens/s are medians over rounds too.
+
+    python benchmarks/bench_spec.py [--num-prompts 8] [--rounds 3]
+        [--dtypes float32 bfloat16] [--json results.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 from common import DEMO, Timer, heldout_prompts
 
 from specdec import LLM, SamplingParams
 
 
-def methods(draft: str, depth: int, tree_nodes: int, topk: int,
-            chain_depth: int) -> dict[str, dict | None]:  # fmt: skip
+def methods(draft: str, args) -> dict[str, dict | None]:
+    model = {"method": "draft_model", "model": draft}
     return {
         "ar": None,
-        "chain": {"method": "draft_model", "model": draft, "num_speculative_tokens": chain_depth,
-                  "max_depth": chain_depth, "topk": 1},
-        "tree": {"method": "draft_model", "model": draft, "num_speculative_tokens": tree_nodes,
-                 "max_depth": depth, "topk": topk},
+        "chain": {**model, "num_speculative_tokens": args.chain_depth,
+                  "max_depth": args.chain_depth, "topk": 1},
+        "tree": {**model, "num_speculative_tokens": args.tree_nodes, "max_depth": args.depth,
+                 "topk": args.topk},
+        "tree16": {**model, "num_speculative_tokens": 16, "max_depth": args.depth16,
+                   "topk": args.topk16},
         "ngram": {"method": "ngram", "num_speculative_tokens": 8, "max_depth": 4, "topk": 2},
     }  # fmt: skip
 
 
-def run(target, spec, prompts, batch, max_tokens, max_model_len, dtype, penalty=1.0):
-    llm = LLM(target, max_num_seqs=batch, max_model_len=max_model_len, speculative_config=spec,
-              dtype=dtype)  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, repetition_penalty=penalty)
-    # One untimed pass over every prompt compiles every shape the timed pass meets
-    # (prefill buckets per prompt length, K/V-length buckets of the decode steps):
-    # the timed pass measures decoding, not XLA compiling.
-    llm.generate(prompts, params, use_tqdm=False)
+COUNTERS = ("num_drafts", "num_accepted_tokens", "num_draft_tokens")
+
+
+def run_once(llm, prompts, params) -> dict:
+    """One timed pass of `llm` over every prompt."""
     before = llm.get_metrics()
     with Timer() as t:
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -52,18 +59,59 @@ def run(target, spec, prompts, batch, max_tokens, max_model_len, dtype, penalty=
     # first first-token to the last finish (prefill of later requests overlaps at batch > 1).
     first = min(o.metrics.first_token_time for o in outs)
     last = max(o.metrics.finished_time for o in outs)
-    drafts = after["num_drafts"] - before["num_drafts"]
-    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-    drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
     return {
         "tokens": n_tokens,
         "seconds": t.seconds,
         "tokens_per_s": n_tokens / t.seconds,
         "decode_tokens_per_s": (n_tokens - len(outs)) / (last - first),
-        "acceptance_length": 1 + accepted / drafts if drafts else None,
-        "acceptance_rate": accepted / drafted if drafted else None,
+        **{k: after[k] - before[k] for k in COUNTERS},
         "outputs": [o.outputs[0].token_ids for o in outs],
     }
+
+
+def measure(engines: dict, prompts, params, rounds: int) -> dict[tuple, list[dict]]:
+    """Warm-up pass per engine (compiles every shape the timed passes meet: prefill
+    buckets per prompt length, K/V-length buckets), then `rounds` rotated rounds."""
+    keys = list(engines)
+    for k in keys:
+        run_once(engines[k], prompts, params)
+    runs = {k: [] for k in keys}
+    for r in range(rounds):
+        for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            runs[k].append(run_once(engines[k], prompts, params))
+            print(f"  round {r + 1}/{rounds} {k[0]:7s} batch {k[1]} {k[2]:9s} "
+                  f"{runs[k][-1]['tokens_per_s']:7.1f} tok/s", flush=True)  # fmt: skip
+    return runs
+
+
+def summarise(runs: dict[tuple, list[dict]]) -> dict[tuple, dict]:
+    """Medians over rounds; speedups paired within each round."""
+    med = statistics.median
+    out = {}
+    for (name, batch, dtype), rs in runs.items():
+        ar = runs.get(("ar", batch, dtype))
+        ars = [v for (m, b, _), v in runs.items() if m == "ar" and b == batch]
+        res = {key: med(r[key] for r in rs) for key in ("tokens_per_s", "decode_tokens_per_s")}
+        for key, label in (("tokens_per_s", "speedup"), ("decode_tokens_per_s", "decode_speedup")):
+            res[f"{label}_vs_ar"] = (
+                med(r[key] / a[key] for r, a in zip(rs, ar, strict=True)) if ar else None
+            )
+            res[f"{label}_vs_best_ar"] = (
+                med(r[key] / max(a[i][key] for a in ars) for i, r in enumerate(rs))
+                if ars else None
+            )  # fmt: skip
+        drafts = sum(r["num_drafts"] for r in rs)
+        accepted = sum(r["num_accepted_tokens"] for r in rs)
+        drafted = sum(r["num_draft_tokens"] for r in rs)
+        res["acceptance_length"] = 1 + accepted / drafts if drafts else None
+        res["acceptance_rate"] = accepted / drafted if drafted else None
+        res["tokens"] = rs[0]["tokens"]
+        res["rounds_tokens_per_s"] = [r["tokens_per_s"] for r in rs]
+        res["same_output_as_ar"] = ar is None or all(
+            r["outputs"] == a["outputs"] for r, a in zip(rs, ar, strict=True)
+        )
+        out[(name, batch, dtype)] = res
+    return out
 
 
 def main() -> None:
@@ -73,14 +121,18 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    # Tree shape: 16 nodes, deep and narrow. Measured here in bfloat16 at batch 1
-    # (tree tok/s over AR): topk 2 depth 8 1.74x, topk 4 depth 6 1.52x, 12 nodes
-    # topk 2 depth 8 1.78x, 24 nodes topk 3 depth 7 1.50x, 32 nodes topk 4 1.64x.
-    ap.add_argument("--depth", type=int, default=8, help="tree depth")
-    ap.add_argument("--tree-nodes", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds per engine")
+    # "tree": small and shallow. On 2 CPU cores the draft's cost grows with depth
+    # (about 0.5 ms a level) and a bfloat16 verify of 4 nodes costs what one decode
+    # step does, 16 nodes about 1.5x (docs: README, Performance).
+    ap.add_argument("--tree-nodes", type=int, default=6)
+    ap.add_argument("--depth", type=int, default=4, help="tree depth")
     ap.add_argument("--topk", type=int, default=2, help="children per expanded tree node")
-    ap.add_argument("--chain-depth", type=int, default=6, help="chain length (topk 1)")
-    ap.add_argument("--methods", nargs="+", default=["ar", "chain", "tree", "ngram"])
+    ap.add_argument("--depth16", type=int, default=8, help="depth of the 16-node tree")
+    ap.add_argument("--topk16", type=int, default=2, help="width of the 16-node tree")
+    ap.add_argument("--chain-depth", type=int, default=4, help="chain length (topk 1)")
+    ap.add_argument("--methods", nargs="+", default=["ar", "chain", "tree", "tree16", "ngram"],
+                    choices=["ar", "chain", "tree", "tree16", "ngram"])  # fmt: skip
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                     choices=["float32", "bfloat16"])  # fmt: skip
     ap.add_argument(
@@ -91,46 +143,42 @@ def main() -> None:
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
 
     prompts = heldout_prompts(args.num_prompts)
-    specs = methods(args.draft, args.depth, args.tree_nodes, args.topk, args.chain_depth)
+    specs = methods(args.draft, args)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens,
+                            repetition_penalty=args.repetition_penalty)  # fmt: skip
     results = {}
     for batch in args.batch_sizes:
-        for dtype in args.dtypes:
-            for name in args.methods:
-                r = run(args.target, specs[name], prompts, batch, args.max_tokens, 1024, dtype,
-                        args.repetition_penalty)  # fmt: skip
-                results[(name, batch, dtype)] = r
-    print(f"{len(prompts)} held-out prompts, greedy, {args.max_tokens} new tokens; "
-          "x = speedup over AR in the same dtype, best = over the faster AR dtype")  # fmt: skip
+        # One batch size at a time: its engines (and their K/V caches) are freed after.
+        engines = {(name, batch, dtype): LLM(args.target, max_num_seqs=batch, max_model_len=1024,
+                                             speculative_config=specs[name], dtype=dtype)
+                   for dtype in args.dtypes for name in args.methods}  # fmt: skip
+        results |= summarise(measure(engines, prompts, params, args.rounds))
+        del engines
+    print(f"{len(prompts)} held-out prompts, greedy, {args.max_tokens} new tokens, "
+          f"{args.rounds} rounds; x = speedup over AR in the same dtype, best = over the "
+          "faster AR dtype (medians of per-round ratios)")  # fmt: skip
     header = ("method", "batch", "dtype", "tok/s", "x", "best", "dec.tok/s", "x", "best",
               "acc.len", "acc.rate")  # fmt: skip
     print(f"{header[0]:8s} " + " ".join(f"{h:>9s}" for h in header[1:]))
-    rows = []
 
     def fmt(v, spec):
         return format(v, spec) if v is not None else "-"
 
+    rows = []
     for (name, batch, dtype), r in results.items():
-        ar = results.get(("ar", batch, dtype))
-        ars = [v for (m, b, _), v in results.items() if m == "ar" and b == batch]
-        ratios = {}
-        for key in ("tokens_per_s", "decode_tokens_per_s"):
-            ratios[key] = (r[key] / ar[key] if ar else None,
-                           r[key] / max(a[key] for a in ars) if ars else None)  # fmt: skip
-        same = ar is None or r["outputs"] == ar["outputs"]
-        al, rate = r["acceptance_length"], r["acceptance_rate"]
-        (e2e, e2e_best), (dec, dec_best) = ratios["tokens_per_s"], ratios["decode_tokens_per_s"]
-        cells = (batch, dtype[:4], fmt(r["tokens_per_s"], ".1f"), fmt(e2e, ".2f"),
-                 fmt(e2e_best, ".2f"), fmt(r["decode_tokens_per_s"], ".1f"), fmt(dec, ".2f"),
-                 fmt(dec_best, ".2f"), fmt(al, ".2f"), fmt(rate, ".2f"))  # fmt: skip
+        cells = (batch, dtype[:4], fmt(r["tokens_per_s"], ".1f"), fmt(r["speedup_vs_ar"], ".2f"),
+                 fmt(r["speedup_vs_best_ar"], ".2f"), fmt(r["decode_tokens_per_s"], ".1f"),
+                 fmt(r["decode_speedup_vs_ar"], ".2f"), fmt(r["decode_speedup_vs_best_ar"], ".2f"),
+                 fmt(r["acceptance_length"], ".2f"), fmt(r["acceptance_rate"], ".2f"))  # fmt: skip
         print(f"{name:8s} " + " ".join(f"{c!s:>9s}" for c in cells)
-              + ("" if same else "  OUTPUT DIFFERS FROM AR"))  # fmt: skip
-        rows.append({"method": name, "batch": batch, "dtype": dtype,
-                     "speedup_vs_ar": e2e, "speedup_vs_best_ar": e2e_best,
-                     "decode_speedup_vs_ar": dec, "decode_speedup_vs_best_ar": dec_best,
-                     "same_output_as_ar": same,
-                     **{k: v for k, v in r.items() if k != "outputs"}})  # fmt: skip
+              + ("" if r["same_output_as_ar"] else "  OUTPUT DIFFERS FROM AR"))  # fmt: skip
+        spec = specs[name]
+        rows.append({"method": name, "batch": batch, "dtype": dtype, "config": spec and
+                     {k: v for k, v in spec.items() if k != "model"}, **r})  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -196,3 +196,30 @@ def test_prefill_with_a_non_power_of_two_chunk_matches_the_plain_forward():
         want = T.forward_train(params, cfg, jnp.array([p]))[0, -1]
         np.testing.assert_allclose(got[i], np.asarray(want), atol=2e-5, rtol=0)
     assert list(r.cache_lens) == [300, 130]
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "mistral_window"])
+def test_multi_chunk_prefill_reads_only_earlier_chunks_and_matches_the_plain_forward(name):
+    """Chunk 0 reads no cache; chunk i reads positions [0, start): logits and the
+    K/V a later decode step attends to equal the one-pass forward."""
+    import dataclasses
+
+    from specdec.kernels.kv_cache import ModelRunner
+
+    cfg = dataclasses.replace(CONFIGS[name], max_position_embeddings=256)
+    params = T.init_params(cfg, jax.random.key(1))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (100, 45)]
+    r = ModelRunner(cfg, params, num_slots=2, max_len=160, prefill_chunk=32)
+    got = np.asarray(r.prefill([0, 1], prompts))
+    nxt = [7, 11]
+    logits, _ = T.forward_block(
+        r.params, r.cache, jnp.array([[t] for t in nxt], jnp.int32),
+        jnp.array([[len(p)] for p in prompts], jnp.int32), jnp.ones((2, 1, 1), bool),
+        jnp.arange(2, dtype=jnp.int32), jnp.asarray(r.cache_lens), cfg=cfg,
+    )  # fmt: skip
+    for i, p in enumerate(prompts):
+        want = T.forward_train(params, cfg, jnp.array([p + [nxt[i]]]))[0]
+        np.testing.assert_allclose(got[i], np.asarray(want[-2]), atol=2e-5, rtol=0)
+        decoded = np.asarray(logits[i, 0])
+        np.testing.assert_allclose(decoded, np.asarray(want[-1]), atol=2e-5, rtol=0)
