@@ -8,7 +8,12 @@ float32, where the two compute the same numbers and greedy outputs must match;
 in bfloat16 transformers also keeps activations in bfloat16 and specdec keeps
 them in float32, so a near-tie may resolve differently).
 
-    python benchmarks/bench_hf.py [--num-prompts 8] [--dtype float32] [--json results.json]
+The four runs are interleaved: every engine is loaded and warmed first, then
+`--rounds` rounds each run all four over every prompt (rotating the order);
+ratios are taken within each round and the median is reported.
+
+    python benchmarks/bench_hf.py [--num-prompts 8] [--dtype float32] [--rounds 3]
+        [--json results.json]
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 
 from common import DEMO, Timer, heldout_prompts
 
@@ -26,14 +32,18 @@ def main() -> None:
     ap.add_argument("--draft", default=str(DEMO / "draft"))
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--tree-nodes", type=int, default=16)
-    ap.add_argument("--depth", type=int, default=8)  # the tree bench_spec.py measures best
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds per engine")
+    # The tree bench_spec.py calls "tree" (small and shallow: cheapest here).
+    ap.add_argument("--tree-nodes", type=int, default=6)
+    ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--repetition-penalty", type=float, default=1.0,
                     help="both libraries; default 1 = plain greedy")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
 
     import torch
     import transformers
@@ -52,19 +62,18 @@ def main() -> None:
     ids = [tok(p, return_tensors="pt").input_ids for p in prompts]
 
     def hf(assistant=None):
-        outs = []
         # repetition_penalty always given: transformers would take the folder's
         # generation_config.json value otherwise (the demo pair ships 1.2).
         kw = dict(do_sample=False, max_new_tokens=args.max_tokens, pad_token_id=tok.eos_token_id,
                   repetition_penalty=args.repetition_penalty)  # fmt: skip
         if assistant is not None:
             kw["assistant_model"] = assistant
-        with torch.no_grad():
-            target.generate(ids[0], **kw)  # warm-up
-            with Timer() as t:
-                for x in ids:
-                    outs.append(target.generate(x, **kw)[0, x.shape[1] :].tolist())
-        return outs, t.seconds
+
+        def once():
+            with torch.no_grad():
+                return [target.generate(x, **kw)[0, x.shape[1] :].tolist() for x in ids]
+
+        return once
 
     def ours(spec):
         llm = LLM(args.target, max_num_seqs=1, max_model_len=1024, speculative_config=spec,
@@ -75,41 +84,60 @@ def main() -> None:
         def once():
             return [
                 llm.generate([{"prompt_token_ids": x[0].tolist()}], params, use_tqdm=False)[0]
+                .outputs[0]
+                .token_ids
                 for x in ids
             ]
 
-        once()  # untimed: compiles every prefill / K/V-length bucket the timed pass meets
-        with Timer() as t:
-            outs = once()
-        return [o.outputs[0].token_ids for o in outs], t.seconds
+        return once
 
     tree = {"method": "draft_model", "model": args.draft, "num_speculative_tokens":
             args.tree_nodes, "max_depth": args.depth, "topk": args.topk}  # fmt: skip
-    runs = {
+    engines = {
         "hf_ar": hf(),
         "hf_assisted": hf(draft),
         "specdec_ar": ours(None),
         "specdec_tree": ours(tree),
     }
-    reference = runs["hf_ar"][0]
+    # Untimed pass: transformers' first calls, and every XLA compile (prefill and
+    # K/V-length buckets) the timed passes meet.
+    outputs = {name: once() for name, once in engines.items()}
+    names = list(engines)
+    seconds = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names[r % 4 :] + names[: r % 4]:
+            with Timer() as t:
+                outs = engines[name]()
+            assert outs == outputs[name], f"{name}: outputs changed between passes"
+            seconds[name].append(t.seconds)
+            print(f"  round {r + 1}/{args.rounds} {name:13s} {t.seconds:6.2f} s", flush=True)
+    reference = outputs["hf_ar"]
     results = {}
     print(f"{len(prompts)} held-out prompts, batch 1, greedy, {args.max_tokens} new tokens, "
-          f"{threads} threads, {args.dtype}")  # fmt: skip
-    for name, (outs, sec) in runs.items():
+          f"{threads} threads, {args.dtype}, {args.rounds} rounds (medians)")  # fmt: skip
+    for name in names:
+        outs = outputs[name]
         n = sum(len(o) for o in outs)
-        same = sum(o == r for o, r in zip(outs, reference, strict=True))
-        results[name] = {"tokens": n, "seconds": sec, "tokens_per_s": n / sec,
+        same = sum(o == ref for o, ref in zip(outs, reference, strict=True))
+        results[name] = {"tokens": n, "seconds": statistics.median(seconds[name]),
+                         "tokens_per_s": statistics.median(n / s for s in seconds[name]),
                          "outputs_equal_hf_ar": f"{same}/{len(outs)}"}  # fmt: skip
-        print(f"{name:14s} {n / sec:8.1f} tok/s   equal to HF greedy AR: {same}/{len(outs)}")
-    r = results
-    results["ratio_specdec_ar_over_hf_ar"] = (
-        r["specdec_ar"]["tokens_per_s"] / r["hf_ar"]["tokens_per_s"]
-    )
-    results["ratio_specdec_tree_over_hf_assisted"] = (
-        r["specdec_tree"]["tokens_per_s"] / r["hf_assisted"]["tokens_per_s"]
-    )
+        print(f"{name:14s} {results[name]['tokens_per_s']:8.1f} tok/s   "
+              f"equal to HF greedy AR: {same}/{len(outs)}")  # fmt: skip
+
+    def paired(a, b):  # tokens/s of a over b, per round (same tokens: inverse seconds)
+        ta, tb = results[a]["tokens"], results[b]["tokens"]
+        return statistics.median(
+            (ta / sa) / (tb / sb) for sa, sb in zip(seconds[a], seconds[b], strict=True)
+        )
+
+    results["ratio_specdec_ar_over_hf_ar"] = paired("specdec_ar", "hf_ar")
+    results["ratio_specdec_tree_over_hf_assisted"] = paired("specdec_tree", "hf_assisted")
+    results["ratio_specdec_tree_over_hf_ar"] = paired("specdec_tree", "hf_ar")
+    results["tree"] = {k: v for k, v in tree.items() if k != "model"}
     print(f"specdec AR / HF AR:             {results['ratio_specdec_ar_over_hf_ar']:.2f}x")
     print(f"specdec tree / HF assisted:     {results['ratio_specdec_tree_over_hf_assisted']:.2f}x")
+    print(f"specdec tree / HF AR:           {results['ratio_specdec_tree_over_hf_ar']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
