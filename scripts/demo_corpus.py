@@ -211,6 +211,26 @@ class Windows:
         return np.stack([self.sample(first + j) for j in range(size)])
 
 
+class Rows:
+    """Fixed rows (e.g. generated sequences) in a seeded order per epoch; sample j is a
+    pure function of j, like `Windows.sample`."""
+
+    def __init__(self, rows: np.ndarray, seed: int, salt: int):
+        if len(rows) == 0:
+            raise ValueError("no rows to sample from.")
+        self.rows, self.seed, self.salt = rows, seed, salt
+        self._epoch, self._order = -1, None
+
+    def sample(self, j: int) -> np.ndarray:
+        epoch, i = divmod(j, len(self.rows))
+        if epoch != self._epoch:
+            self._order = np.random.default_rng([self.seed, self.salt, epoch]).permutation(
+                len(self.rows)
+            )
+            self._epoch = epoch
+        return self.rows[self._order[i]]
+
+
 def eval_windows(tokens: np.ndarray, seq_len: int, max_tokens: int) -> np.ndarray:
     """The first held-out windows, non-overlapping: i32[n, seq_len + 1]."""
     n = min((tokens.size - 1) // seq_len, max(1, max_tokens // seq_len))

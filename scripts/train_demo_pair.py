@@ -1,7 +1,7 @@
 """Train the bundled demo pair: a small Llama target and a distilled Llama draft.
 
 Both models speak Python: they are trained on the CPython standard library's own
-source. Six stages, each resumable, all state in one run directory:
+source. Eight stages, each resumable, all state in one run directory:
 
 1. tokenizer (scripts/demo_corpus.py): collect `*.py` under
    `sysconfig.get_paths()["stdlib"]` (tests, site-packages and generated blobs
@@ -16,8 +16,15 @@ source. Six stages, each resumable, all state in one run directory:
    order, fresh optimiser, a second warmup/cosine), each starting from the bf16
    rounding of its phase-1 weights. The pair's first release was the phase-1
    export, so `--phase1-from specdec/assets/demo` can stand in for stages 2-3.
-6. export: Hugging Face folders (config.json, bf16 model.safetensors, tokenizer
-   files, generation_config.json) and held-out metrics of the bf16 weights.
+6. generate, 7. draft_final: phase 3 (sized for a GPU; see `SelfDistillSettings`):
+   the phase-2 target continues corpus windows greedily, recording its top-k
+   next-token distribution at each generated token, and the draft is distilled
+   further on those continuations (sparse KL to the recorded top-k + a small
+   cross-entropy). `--phase2-from DIR` seeds stages 4-5 from an exported phase-2
+   pair so phase 3 runs alone. Runs whose settings predate phase 3 skip it.
+8. export: Hugging Face folders (config.json, bf16 model.safetensors, tokenizer
+   files, generation_config.json) and held-out metrics of the bf16 weights; the
+   draft is phase 3's when the run has one, else phase 2's.
 
 Reproducible: every setting lives in `settings.json` in the run directory and
 seeds everything; the data order is a pure function of (seed, stage, epoch), so
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -51,6 +59,7 @@ from demo_corpus import (  # scripts/demo_corpus.py, beside this file
     EOT,
     EOT_ID,
     Log,
+    Rows,
     Windows,
     eval_windows,
     fmt_time,
@@ -62,9 +71,22 @@ from demo_corpus import (  # scripts/demo_corpus.py, beside this file
 )
 
 from specdec.kernels.config import ModelConfig
+from specdec.kernels.transformer import (
+    apply_rope,
+    block_logits_kv,
+    causal_block_mask,
+    init_params,
+    lm_head,
+    matmul,
+    rms_norm,
+    rope_inv_freq,
+    unstack_layers,
+)
 from specdec.kernels.transformer import forward_train as _forward_stacked
-from specdec.kernels.transformer import init_params, unstack_layers
+from specdec.verify.sampling import repetition_penalized
 
+STAGES = ("tokenizer", "target", "draft", "target_more", "draft_more", "generate",
+          "draft_final", "export")  # fmt: skip
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_EXPORT_DIR = REPO_ROOT / "specdec" / "assets" / "demo"
 
@@ -104,6 +126,29 @@ class StageSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class SelfDistillSettings:
+    """Phase 3's data: the phase-2 target's own greedy continuations.
+
+    At inference the draft follows the target's outputs, not the corpus, and a
+    small target's greedy text (loops, half-remembered idioms) is far from the
+    corpus. Each sequence is `prompt_len` corpus tokens (a seeded training
+    window's start) then `seq_len + 1 - prompt_len` tokens the target chose
+    greedily, sequence i under `repetition_penalties[i % len(...)]` (1.0: plain
+    greedy, the benchmarks; 1.2: `specdec generate`'s default). Generation also
+    keeps the target's `teacher_topk` most likely next tokens (log-probabilities
+    of its raw, unpenalised logits) at each generated position: the draft is then
+    distilled without a teacher forward per step, which is ~85% of a corpus
+    distillation step on CPU.
+    """
+
+    num_sequences: int
+    prompt_len: int
+    repetition_penalties: tuple[float, ...]
+    batch_size: int  # sequences generated at once (memory only: greedy is per row)
+    teacher_topk: int
+
+
+@dataclasses.dataclass(frozen=True)
 class RunSettings:
     """Everything that determines the result; written to `settings.json`."""
 
@@ -134,6 +179,10 @@ class RunSettings:
     # generation_config.json's default for `specdec generate` and transformers: greedy
     # decoding of a model this small loops on one token; CTRL's 1.2 breaks the loops.
     repetition_penalty: float = 1.2
+    # Phase 3 (absent from runs made before it existed): the draft distilled further
+    # from the phase-2 target, on corpus windows mixed with the target's own outputs.
+    self_distill: SelfDistillSettings | None = None
+    draft_final: StageSettings | None = None
 
     def model_config(self, which: str) -> ModelConfig:
         shape = self.target if which == "target" else self.draft
@@ -154,9 +203,19 @@ class RunSettings:
         d = dict(d)
         d["target"] = ShapeSettings(**d["target"])
         d["draft"] = ShapeSettings(**d["draft"])
-        for k in ("target_train", "draft_train", "target_more", "draft_more"):
-            d[k] = StageSettings(**d[k])
+        for k in ("target_train", "draft_train", "target_more", "draft_more", "draft_final"):
+            if d.get(k) is not None:
+                d[k] = StageSettings(**d[k])
+        if d.get("self_distill") is not None:
+            sd = dict(d["self_distill"])
+            sd["repetition_penalties"] = tuple(sd["repetition_penalties"])
+            d["self_distill"] = SelfDistillSettings(**sd)
         return cls(**d)
+
+    @property
+    def final_draft_stage(self) -> str:
+        """The stage whose draft is exported: phase 3's when the run has one."""
+        return "draft_final" if self.draft_final is not None else "draft_more"
 
 
 def default_settings(smoke: bool) -> RunSettings:
@@ -185,6 +244,8 @@ def default_settings(smoke: bool) -> RunSettings:
             checkpoint_every_s=5.0,
             log_every_s=2.0,
             enforce_size_limits=False,
+            self_distill=SelfDistillSettings(16, 24, (1.0, 1.2), 8, 16),
+            draft_final=StageSettings(10, 4, 2e-3, 2, 0.1, 0.0, 1.0),
         )
     return RunSettings(
         smoke=False,
@@ -217,6 +278,12 @@ def default_settings(smoke: bool) -> RunSettings:
         checkpoint_every_s=300.0,
         log_every_s=60.0,
         enforce_size_limits=True,
+        # Phase 3 is sized for a GPU: 8192 continuations of 321 target tokens (2.6M,
+        # about the corpus' size), then 4000 steps of 32 of them (15 passes). On this
+        # 2-core CPU a 256-row generation step at context ~400 measured 0.7-1.3 s
+        # (attention over the cache dominates): the data alone would take ~8 hours.
+        self_distill=SelfDistillSettings(8192, 192, (1.0, 1.2), 512, 32),
+        draft_final=StageSettings(4000, 32, 2e-3, 100, 0.1, 0.0, 1.0),
     )
 
 
@@ -522,28 +589,49 @@ def load_final(run_dir: Path, s: RunSettings, name: str):
     return cfg, params
 
 
-def stage_draft(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag, *, more: bool):
-    """Distils the draft from the frozen target of the same phase."""
-    t_cfg, t_params = load_final(run_dir, s, "target_more" if more else "target")
-    cfg = s.model_config("draft")
-    key = jax.random.key(s.seed + 1 if not more else s.seed + 3)
-    params = _initial_params(run_dir, s, "draft", key, more)
-    name, st = ("draft_more", s.draft_more) if more else ("draft", s.draft_train)
-    log(f"{name}: {cfg.num_params():,} parameters {dataclasses.asdict(s.draft)}")
-    windows = Windows(load_tokens(run_dir, "train"), s.seq_len, s.seed, salt=4 if more else 2)
+# Each draft stage: (its teacher's stage, the draft stage it starts from or None for a
+# seeded init, init-key offset, data salt).
+DRAFT_STAGES = {
+    "draft": ("target", None, 1, 2),
+    "draft_more": ("target_more", "draft", 3, 4),
+    "draft_final": ("target_more", "draft_more", 4, 6),
+}
 
-    def loss_fn(params, t_params, x, y):
-        t_logits = jax.lax.stop_gradient(forward_train(t_params, t_cfg, x))
-        d_logits = forward_train(params, cfg, x)
-        kl = kl_to_target(t_logits, d_logits)
-        return s.kl_weight * kl + s.ce_weight * cross_entropy(d_logits, y)
+
+def stage_draft(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag, *, name: str):
+    """Distils the draft from a frozen target: phases 1 and 2 on corpus windows with
+    the target's logits computed on the fly, phase 3 (`draft_final`) on the target's
+    own continuations and the top-k distributions it recorded while writing them."""
+    teacher, start_from, key_offset, salt = DRAFT_STAGES[name]
+    cfg = s.model_config("draft")
+    key = jax.random.key(s.seed + key_offset)
+    if start_from is None:
+        params = init_params(cfg, key)
+    else:
+        params = bf16_round(load_final(run_dir, s, start_from)[1])
+    st = {"draft": s.draft_train, "draft_more": s.draft_more, "draft_final": s.draft_final}[name]
+    log(f"{name}: {cfg.num_params():,} parameters {dataclasses.asdict(s.draft)}")
+    t_cfg, t_params = load_final(run_dir, s, teacher)
+    if name == "draft_final":
+        windows, extra_args, loss_fn = _phase3_data(run_dir, s, cfg, salt, log)
+    else:
+        windows = Windows(load_tokens(run_dir, "train"), s.seq_len, s.seed, salt=salt)
+        extra_args = (t_params,)
+
+        def loss_fn(params, t_params, x, y):
+            t_logits = jax.lax.stop_gradient(forward_train(t_params, t_cfg, x))
+            d_logits = forward_train(params, cfg, x)
+            kl = kl_to_target(t_logits, d_logits)
+            return s.kl_weight * kl + s.ce_weight * cross_entropy(d_logits, y)
 
     step_fn = make_train_step(loss_fn, make_optimizer(st))
     params = train_loop(
         name=name, run_dir=run_dir, s=s, st=st, params=params,
-        step_fn=step_fn, extra_args=(t_params,), windows=windows,
+        step_fn=step_fn, extra_args=extra_args, windows=windows,
         key_data=np.asarray(jax.random.key_data(key)), log=log, stop=stop,
     )  # fmt: skip
+    if name == "draft_final":  # scored against the target as shipped (bf16 weights)
+        t_params = bf16_round(t_params)
     _record_metrics(
         run_dir, f"{name}_fp32",
         lambda: evaluate(run_dir, s, target=(t_cfg, t_params), draft=(cfg, params))["draft"],
@@ -552,34 +640,240 @@ def stage_draft(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag, *, more
     return params
 
 
-def seed_phase1_from_export(run_dir: Path, s: RunSettings, folder: Path, log: Log) -> None:
-    """Writes finished phase-1 checkpoints from an exported pair (its bf16 weights are
-    exactly what phase 2 starts from), so phase 2 can run without re-running phase 1."""
+class _IndexRows:
+    """`train_loop`'s data for phase 3: a batch is the generated sequences' rows; the
+    step also gets those rows' teacher top-k, gathered on the device."""
+
+    def __init__(self, tokens: np.ndarray, seed: int, salt: int):
+        self.tokens = tokens
+        self.order = Rows(np.arange(len(tokens))[:, None], seed, salt)
+
+    def batch(self, first: int, size: int) -> np.ndarray:
+        idx = np.array([self.order.sample(first + j)[0] for j in range(size)])
+        # The row index rides along as an extra last column (dropped by the loss).
+        return np.concatenate([self.tokens[idx], idx[:, None]], axis=1)
+
+
+def _phase3_data(run_dir: Path, s: RunSettings, cfg: ModelConfig, salt: int, log: Log):
+    path = run_dir / "data" / "generated.npz"
+    if not path.exists():
+        raise ValueError(f"{path} is missing: run the generate stage first.")
+    with np.load(path) as z:
+        tokens = z["tokens"].astype(np.int32)
+        top_logp = jnp.asarray(z["top_logp"].astype(np.float32))  # [n, G, k]
+        top_ids = jnp.asarray(z["top_ids"].astype(np.int32))
+    p = s.self_distill.prompt_len
+    log(f"draft_final: {len(tokens)} generated sequences, teacher top-{top_ids.shape[-1]}")
+
+    def loss_fn(params, top_logp, top_ids, x, y):
+        # The batch's last column is each row's index (`_IndexRows`): x ends with the
+        # row's last token and the index, y with the index only; drop both.
+        idx = y[:, -1]
+        x, y = x[:, :-1], y[:, :-1]
+        d_logp = jax.nn.log_softmax(forward_train(params, cfg, x)[:, p - 1 :], axis=-1)
+        t_logp, t_ids = top_logp[idx], top_ids[idx]  # [B, G, k]
+        t_prob = jax.nn.softmax(t_logp, axis=-1)  # the top-k, renormalised
+        d_at = jnp.take_along_axis(d_logp, t_ids, axis=-1)
+        kl = jnp.sum(t_prob * (jax.nn.log_softmax(t_logp, axis=-1) - d_at), axis=-1).mean()
+        ce = -jnp.take_along_axis(d_logp, y[:, p - 1 :, None], axis=-1).mean()
+        return s.kl_weight * kl + s.ce_weight * ce
+
+    return _IndexRows(tokens, s.seed, salt + 1), (top_logp, top_ids), loss_fn
+
+
+GEN_KV_STEP = 128  # generation reads the cache in buckets of this many positions
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _gen_prefill(params, prompts, *, cfg: ModelConfig):
+    """Prompt K/V per layer [B, P, K, hd] (list) and the last position's logits."""
+    b, p = prompts.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    mask = causal_block_mask(jnp.full((b,), p, jnp.int32), p)
+    logits, ks, vs = block_logits_kv(
+        params, None, prompts, positions, mask, jnp.arange(b, dtype=jnp.int32),
+        jnp.zeros((b,), jnp.int32), jnp.full((b,), p - 1, jnp.int32), cfg=cfg,
+    )  # fmt: skip
+    return logits[:, 0], ks, vs
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kv_len"))
+def _gen_step(params, cache, tok, pos, *, cfg: ModelConfig, kv_len: int):
+    """One greedy-generation step of every row at the same position `pos`.
+
+    A plain dense decode (every row at one position, no slots): the engine's slot
+    cache gathers each row separately, which at 256 rows cost more than the model.
+    `cache` [L, 2, B, K, T, hd] holds positions [0, pos) and is only read here, over
+    [0, kv_len); the new K/V come back for `_gen_write` (XLA on CPU copies a buffer
+    that one program both reads and updates). Returns (next-token logits f32[B, V],
+    k and v [L, B, K, hd]).
+    """
+    b = tok.shape[0]
+    hd, kh, h = cfg.head_dim, cfg.num_kv_heads, cfg.num_heads
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    positions = jnp.full((b, 1), pos, jnp.int32)
+    visible = jnp.arange(kv_len) < pos
+    x = params["embed"][tok][:, None].astype(jnp.float32)  # [B, 1, D]
+    new_k, new_v = [], []
+    for i, lp in enumerate(params["layers"]):
+        hn = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        q = apply_rope(matmul(hn, lp["wq"]).reshape(b, h, hd)[:, None], positions, inv_freq)
+        k = apply_rope(matmul(hn, lp["wk"]).reshape(b, kh, hd)[:, None], positions, inv_freq)
+        v = matmul(hn, lp["wv"]).reshape(b, kh, hd)
+        qg = q.reshape(b, kh, h // kh, hd) * (1.0 / math.sqrt(hd))
+        kc, vc = cache[i, 0, :, :, :kv_len], cache[i, 1, :, :, :kv_len]  # [B, K, T, hd]
+        # Broadcast-multiply-reduce, not einsum: XLA CPU runs a dot with batch dims
+        # (B * K of them, each [G, hd] x [hd, T]) as that many tiny products.
+        s_old = jnp.sum(qg[:, :, :, None, :] * kc[:, :, None], axis=-1)  # [B, K, G, T]
+        s_old = jnp.where(visible, s_old, -jnp.inf)
+        s_new = jnp.einsum("bkgd,bkd->bkg", qg, k[:, 0])[..., None]
+        pr = jax.nn.softmax(jnp.concatenate([s_old, s_new], axis=-1), axis=-1)
+        att = jnp.sum(pr[..., :-1, None] * vc[:, :, None], axis=-2)  # [B, K, G, hd]
+        att = att + pr[..., -1:] * v[:, :, None]
+        x = x + matmul(att.reshape(b, 1, h * hd), lp["wo"])
+        hn = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+        x = x + matmul(jax.nn.silu(matmul(hn, lp["w_gate"])) * matmul(hn, lp["w_up"]),
+                       lp["w_down"])  # fmt: skip
+        new_k.append(k[:, 0])
+        new_v.append(v)
+    return lm_head(cfg, params, x)[:, 0], jnp.stack(new_k), jnp.stack(new_v)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _gen_write(cache, k, v, pos):
+    """cache [L, 2, B, K, T, hd] with k, v [L, B, K, hd] written at position `pos`."""
+    kv = jnp.stack([k, v], axis=1)[:, :, :, :, None].astype(cache.dtype)
+    return jax.lax.dynamic_update_slice(cache, kv, (0, 0, 0, 0, pos, 0))
+
+
+@functools.partial(jax.jit, static_argnames=("topk",))
+def _gen_pick(logits, seen, penalties, *, topk: int):
+    """Greedy token under each row's repetition penalty (the lowest id on ties, like
+    the engine) and the raw distribution's top-k; `seen` gains the token."""
+    penalized = repetition_penalized(logits, seen, penalties[:, None])
+    tok = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
+    logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), topk)
+    return tok, logp, ids.astype(jnp.int32), seen.at[jnp.arange(len(tok)), tok].set(True)
+
+
+def greedy_continuations(params, prompts, penalties, *, cfg: ModelConfig, gen_len: int, topk=1):
+    """Each row's greedy continuation of `prompts` i32[B, P] under its repetition
+    penalty f32[B] (over the prompt and the tokens so far, as `specdec generate`
+    applies it), decoded with a KV cache. `params` unstacked (`unstack_layers`);
+    dense Llama layers only (no biases, QK norm, sliding window or experts).
+
+    Returns tokens i32[B, gen_len] and, per generated token, the `topk` most likely
+    tokens of the raw (unpenalised) distribution it was chosen from: log-probs
+    f32[B, gen_len, topk] and ids i32[B, gen_len, topk].
+    """
+    if cfg.attention_bias or cfg.qk_norm or cfg.sliding_window or cfg.is_moe:
+        raise ValueError("greedy_continuations covers plain dense Llama layers only.")
+    prompts = jnp.asarray(prompts, jnp.int32)
+    b, p = prompts.shape
+    total = -(-(p + gen_len) // GEN_KV_STEP) * GEN_KV_STEP
+    logits, ks, vs = _gen_prefill(params, prompts, cfg=cfg)
+    pad = ((0, 0), (0, 0), (0, 0), (0, 0), (0, total - p), (0, 0))
+    kv = jnp.stack([ks, vs], axis=1).transpose(0, 1, 2, 4, 3, 5)  # [L, 2, B, K, P, hd]
+    cache = jnp.pad(kv.astype(jnp.float32), pad)  # float32, as the engine's on CPU
+    seen = jnp.zeros((b, cfg.vocab_size), bool).at[jnp.arange(b)[:, None], prompts].set(True)
+    penalties = jnp.asarray(penalties, jnp.float32)
+    toks, logps, ids = [], [], []
+    for i in range(gen_len):
+        tok, logp, top, seen = _gen_pick(logits, seen, penalties, topk=topk)
+        toks.append(tok)
+        logps.append(logp)
+        ids.append(top)
+        if i + 1 < gen_len:
+            pos = p + i  # where `tok` goes
+            kv_len = min(-(-(pos + 1) // GEN_KV_STEP) * GEN_KV_STEP, total)
+            logits, k, v = _gen_step(params, cache, tok, jnp.int32(pos), cfg=cfg, kv_len=kv_len)
+            cache = _gen_write(cache, k, v, jnp.int32(pos))
+    return jnp.stack(toks, 1), jnp.stack(logps, 1), jnp.stack(ids, 1)
+
+
+def stage_generate(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag) -> None:
+    """Phase 3's data: the phase-2 target (bf16 weights, as shipped) continues seeded
+    corpus windows greedily. `data/generated.npz`: tokens u16[n, seq_len + 1] and the
+    teacher's top-k per generated token (`SelfDistillSettings`)."""
+    out = run_dir / "data" / "generated.npz"
+    if out.exists():
+        log("generate: already done")
+        return
+    sd = s.self_distill
+    t_cfg, t_params = load_final(run_dir, s, "target_more")
+    params = unstack_layers(jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), t_params))
+    windows = Windows(load_tokens(run_dir, "train"), s.seq_len, s.seed, salt=5)
+    gen_len = s.seq_len + 1 - sd.prompt_len
+    pens = np.array(sd.repetition_penalties, np.float32)
+    parts, t0 = [], time.time()
+    for first in range(0, sd.num_sequences, sd.batch_size):
+        if stop.signum:  # nothing partial is kept: the stage starts over when rerun
+            log(f"generate: signal {stop.signum} after {first} sequences; exiting")
+            sys.exit(128 + stop.signum)
+        n = min(sd.batch_size, sd.num_sequences - first)
+        prompts = windows.batch(first, sd.batch_size)[:, : sd.prompt_len]  # fixed shape
+        penalty = pens[np.arange(first, first + sd.batch_size) % len(pens)]
+        toks, logp, ids = greedy_continuations(
+            params, jnp.asarray(prompts), jnp.asarray(penalty), cfg=t_cfg, gen_len=gen_len,
+            topk=sd.teacher_topk,
+        )  # fmt: skip
+        parts.append((np.concatenate([prompts, np.asarray(toks)], axis=1)[:n],
+                      np.asarray(logp)[:n], np.asarray(ids)[:n]))  # fmt: skip
+        elapsed, done = time.time() - t0, first + n
+        eta = elapsed / done * (sd.num_sequences - done)
+        log(f"generate: {done}/{sd.num_sequences} sequences of {gen_len} tokens, "
+            f"{fmt_time(elapsed)} (eta {fmt_time(eta)})")  # fmt: skip
+    tokens = np.concatenate([p[0] for p in parts]).astype(np.uint16)
+    buf = io.BytesIO()
+    np.savez(
+        buf,
+        tokens=tokens,
+        top_logp=np.concatenate([p[1] for p in parts]).astype(np.float16),
+        top_ids=np.concatenate([p[2] for p in parts]).astype(np.uint16),
+    )
+    write_bytes_atomic(out, buf.getvalue())
+    distinct = {}  # how repetitive each kind is: distinct 4-grams per generated 4-gram
+    for pen in sd.repetition_penalties:
+        sel = tokens[pens[np.arange(len(tokens)) % len(pens)] == pen, sd.prompt_len :]
+        grams = [len({tuple(r[i : i + 4]) for i in range(len(r) - 3)}) / (len(r) - 3) for r in sel]
+        distinct[str(pen)] = float(np.mean(grams))
+    update_json(run_dir / "metrics.json", {"generated": {
+        "sequences": int(len(tokens)), "generated_tokens": int(len(tokens) * gen_len),
+        "distinct_4gram_fraction_by_penalty": distinct, "seconds": time.time() - t0,
+    }})  # fmt: skip
+    log(f"generate: wrote {out} ({tokens.shape}); distinct 4-gram fraction {distinct}")
+
+
+def seed_from_export(run_dir: Path, s: RunSettings, folder: Path, log: Log, phase: int) -> None:
+    """Writes finished checkpoints of phase 1 or 2 from an exported pair (its bf16
+    weights are exactly what the next phase starts from), so later phases can run
+    without re-running the earlier ones."""
     from specdec.checkpoint import load_model
 
-    for name in ("target", "draft"):
-        ckpt = run_dir / f"{name}.ckpt.npz"
+    stages = {1: ("target", "draft"), 2: ("target_more", "draft_more")}[phase]
+    for which, stage in zip(("target", "draft"), stages, strict=True):
+        ckpt = run_dir / f"{stage}.ckpt.npz"
         if ckpt.exists():
-            log(f"{name}: {ckpt} exists; not seeding it from {folder}")
+            log(f"{stage}: {ckpt} exists; not seeding it from {folder}")
             continue
-        cfg, params = load_model(folder / name, dtype="float32")
-        want = s.model_config(name)
+        cfg, params = load_model(folder / which, dtype="float32")
+        want = s.model_config(which)
         if cfg.num_params() != want.num_params() or cfg.num_layers != want.num_layers:
-            raise ValueError(f"{folder / name} is not this run's {name} shape ({want}).")
+            raise ValueError(f"{folder / which} is not this run's {which} shape ({want}).")
         like = jax.eval_shape(lambda c=want: init_params(c, jax.random.key(0)))
         if jax.tree_util.tree_structure(like) != jax.tree_util.tree_structure(params):
-            raise ValueError(f"{folder / name}: parameter tree differs from init_params'.")
-        st = s.target_train if name == "target" else s.draft_train
+            raise ValueError(f"{folder / which}: parameter tree differs from init_params'.")
+        st = getattr(s, {"target": "target_train", "draft": "draft_train"}.get(stage, stage))
         meta = {
             "step": st.steps,
             "total_steps": st.steps,
             "done": True,
             "time": time.time(),
             "data_position": st.steps * st.batch_size,
-            "seeded_from": str(folder / name),
+            "seeded_from": str(folder / which),
         }
         save_checkpoint_npz(ckpt, params, (), meta)
-        log(f"{name}: phase-1 checkpoint seeded from {folder / name}")
+        log(f"{stage}: checkpoint seeded from {folder / which}")
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -688,7 +982,7 @@ def bf16_round(params):
 
 def stage_export(run_dir: Path, s: RunSettings, export_dir: Path, log: Log) -> None:
     t_cfg, t_params = load_final(run_dir, s, "target_more")
-    d_cfg, d_params = load_final(run_dir, s, "draft_more")
+    d_cfg, d_params = load_final(run_dir, s, s.final_draft_stage)
     for name, cfg, params in (("target", t_cfg, t_params), ("draft", d_cfg, d_params)):
         write_hf_folder(export_dir / name, run_dir, s, cfg, params)
         size = (export_dir / name / "model.safetensors").stat().st_size
@@ -718,14 +1012,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-dir", type=Path, required=True, help="state, logs, checkpoints")
     p.add_argument(
         "--stage",
-        choices=("all", "tokenizer", "target", "draft", "target_more", "draft_more", "export"),
+        choices=("all", *STAGES),
         default="all",
     )
     p.add_argument(
         "--phase1-from",
         type=Path,
         default=None,
-        help="an exported pair (e.g. the shipped one) to take the phase-1 weights from",
+        help="an exported pair to take the phase-1 weights from (an earlier release)",
+    )
+    p.add_argument(
+        "--phase2-from",
+        type=Path,
+        default=None,
+        help="an exported pair to take the phase-2 weights from (phase 3 then runs alone)",
     )
     p.add_argument("--target-steps", type=int, default=None)
     p.add_argument("--draft-steps", type=int, default=None)
@@ -764,18 +1064,26 @@ def _main(argv: list[str] | None) -> None:
     update_json(run_dir / "metrics.json", {"sizes": sizes})
     export_dir = args.export_dir or (run_dir / "export" if s.smoke else DEFAULT_EXPORT_DIR)
     stop = StopFlag()
-    if args.phase1_from is not None:
-        seed_phase1_from_export(run_dir, s, args.phase1_from.resolve(), log)
+    for phase, folder in ((1, args.phase1_from), (2, args.phase2_from)):
+        if folder is not None:
+            seed_from_export(run_dir, s, folder.resolve(), log, phase)
     run_stage = {
         "tokenizer": lambda: stage_tokenizer(run_dir, s, log),
         "target": lambda: stage_target(run_dir, s, log, stop, more=False),
-        "draft": lambda: stage_draft(run_dir, s, log, stop, more=False),
+        "draft": lambda: stage_draft(run_dir, s, log, stop, name="draft"),
         "target_more": lambda: stage_target(run_dir, s, log, stop, more=True),
-        "draft_more": lambda: stage_draft(run_dir, s, log, stop, more=True),
+        "draft_more": lambda: stage_draft(run_dir, s, log, stop, name="draft_more"),
+        "generate": lambda: stage_generate(run_dir, s, log, stop),
+        "draft_final": lambda: stage_draft(run_dir, s, log, stop, name="draft_final"),
         "export": lambda: stage_export(run_dir, s, export_dir, log),
     }
-    for stage in run_stage if args.stage == "all" else (args.stage,):
-        run_stage[stage]()
+    phase3 = ("generate", "draft_final")
+    if args.stage in phase3 and s.draft_final is None:
+        raise ValueError(f"{run_dir / 'settings.json'} has no phase 3; use a new run dir.")
+    stages = STAGES if args.stage == "all" else (args.stage,)
+    for stage in stages:
+        if s.draft_final is not None or stage not in phase3:  # runs made before phase 3
+            run_stage[stage]()
     log(f"finished stage {args.stage}")
 
 

@@ -49,8 +49,10 @@ def test_all_stages_export_a_loadable_pair(full_run):
         for f in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
             assert (folder / f).is_file(), f
         cfg, params = load_model(folder, dtype="float32")
-        # The export is the bf16 rounding of the last (phase-2) checkpoint.
-        stored = _params(full_run / f"{name}_more.ckpt.npz")
+        # The export is the bf16 rounding of the last checkpoint: phase 2's target and
+        # phase 3's draft.
+        stage = "target_more" if name == "target" else "draft_final"
+        stored = _params(full_run / f"{stage}.ckpt.npz")
         leaves = jax.tree_util.tree_leaves(params)
         assert len(leaves) == len(stored)
         for i, leaf in enumerate(leaves):
@@ -63,8 +65,20 @@ def test_all_stages_export_a_loadable_pair(full_run):
 
     assert generation_defaults(export / "target") == {"repetition_penalty": 1.2}
     info = json.loads((export / "training.json").read_text())
-    for key in ("target_fp32", "draft_fp32", "target_more_fp32", "draft_more_fp32"):
+    for key in ("target_fp32", "draft_fp32", "target_more_fp32", "draft_more_fp32",
+                "draft_final_fp32"):  # fmt: skip
         assert np.isfinite(info[key]["loss"]), key
+    settings = info["settings"]
+    sd = settings["self_distill"]
+    with np.load(full_run / "data" / "generated.npz") as z:
+        tokens, top_ids, top_logp = z["tokens"], z["top_ids"], z["top_logp"]
+    gen_len = settings["seq_len"] + 1 - sd["prompt_len"]
+    assert tokens.shape == (sd["num_sequences"], settings["seq_len"] + 1)
+    assert top_ids.shape == top_logp.shape == (len(tokens), gen_len, sd["teacher_topk"])
+    assert info["generated"]["sequences"] == len(tokens)
+    # Rows with no penalty (even rows) chose the raw distribution's top token.
+    np.testing.assert_array_equal(tokens[::2, sd["prompt_len"] :], top_ids[::2, :, 0])
+    assert np.all(np.diff(top_logp.astype(np.float32), axis=-1) <= 0)
     assert info["target_bf16"]["heldout_tokens"] > 0
     assert (export / "heldout_files.txt").read_text().strip()
 
@@ -84,7 +98,7 @@ def test_stage_by_stage_reproduces_the_run(full_run, tmp_path):
 def test_phase1_from_an_export_seeds_phase2(full_run, tmp_path):
     _train(tmp_path, "--stage", "tokenizer")
     log = _train(tmp_path, "--phase1-from", str(full_run / "export"), "--stage", "target_more")
-    assert "phase-1 checkpoint seeded" in log
+    assert "target: checkpoint seeded from" in log
     assert "target_more: done" in log
     seeded = _params(tmp_path / "target.ckpt.npz")
     with np.load(tmp_path / "target.ckpt.npz") as z:
@@ -104,3 +118,79 @@ def test_wrong_shape_export_is_refused(full_run, tmp_path):
     assert out.returncode != 0
     assert "is not this run's target shape" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_phase2_from_an_export_runs_phase3_alone(full_run, tmp_path):
+    _train(tmp_path, "--stage", "tokenizer")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, str(SCRIPT), "--run-dir", str(tmp_path), "--smoke",
+           "--phase2-from", str(full_run / "export"), "--stage", "draft_final"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "run the generate stage first" in out.stderr
+    log = (tmp_path / "progress.log").read_text()
+    assert "target_more: checkpoint seeded from" in log
+    assert "draft_more: checkpoint seeded from" in log
+    log = _train(tmp_path, "--stage", "generate")
+    log = _train(tmp_path, "--stage", "draft_final")
+    assert "draft_final: done" in log
+    # Phase 3's data depends on the target alone, which generates in bf16: the seeded
+    # (bf16-rounded) phase-2 target writes what the full run's fp32 one did.
+    for key in ("tokens", "top_ids"):
+        with np.load(full_run / "data" / "generated.npz") as a:
+            with np.load(tmp_path / "data" / "generated.npz") as b:
+                np.testing.assert_array_equal(a[key], b[key])
+
+
+def _script_module():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import train_demo_pair
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return train_demo_pair
+
+
+@pytest.mark.parametrize("kv_step", [128, 4])  # 4: the read window grows mid-sequence
+def test_greedy_continuations_match_a_cacheless_greedy_loop(kv_step, monkeypatch):
+    """The KV-cached generation of phase 3's data against recomputing the whole
+    sequence each step, with and without a repetition penalty."""
+    from specdec.kernels.config import ModelConfig
+    from specdec.kernels.transformer import forward_train, init_params, unstack_layers
+    from specdec.verify.sampling import repetition_penalized
+
+    mod = _script_module()
+    monkeypatch.setattr(mod, "GEN_KV_STEP", kv_step)
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8)  # fmt: skip
+    params = init_params(cfg, jax.random.key(3))
+    params = jax.tree_util.tree_map(lambda a: a * 4, params)  # peaked: fewer near-ties
+    prompts = np.asarray(jax.random.randint(jax.random.key(4), (3, 5), 1, 64), np.int32)
+    penalty = np.array([1.0, 1.5, 3.0], np.float32)
+    got, logp, ids = mod.greedy_continuations(unstack_layers(params), prompts, penalty,
+                                              cfg=cfg, gen_len=7, topk=3)  # fmt: skip
+    got = np.asarray(got)
+    seq = prompts.copy()
+    for j in range(7):
+        logits = forward_train(params, cfg, jnp.asarray(seq))[:, -1]
+        want_logp, want_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), 3)
+        np.testing.assert_array_equal(np.asarray(ids)[:, j], np.asarray(want_ids))
+        np.testing.assert_allclose(np.asarray(logp)[:, j], np.asarray(want_logp), atol=1e-5)
+        seen = np.zeros((3, cfg.vocab_size), bool)
+        for b in range(3):
+            seen[b, seq[b]] = True
+        nxt = np.asarray(jnp.argmax(repetition_penalized(logits, seen, penalty[:, None]), -1))
+        seq = np.concatenate([seq, nxt[:, None].astype(np.int32)], axis=1)
+    np.testing.assert_array_equal(got, seq[:, 5:])
+    assert len(set(got[2].tolist())) == 7  # penalty 3 on a peaked model: no token twice
+
+
+def test_rows_are_a_pure_function_of_their_index():
+    Rows = _script_module().Rows
+    rows = np.arange(10)[:, None] * np.ones((1, 4), int)
+    whole = np.stack([Rows(rows, seed=0, salt=1).sample(j) for j in range(30)])
+    fresh = Rows(rows, seed=0, salt=1)  # resumed mid-way: the same samples
+    np.testing.assert_array_equal(np.stack([fresh.sample(j) for j in range(17, 26)]), whole[17:26])
+    for epoch in range(3):  # every row once per epoch, in a new order each time
+        assert sorted(whole[epoch * 10 : epoch * 10 + 10, 0]) == list(range(10))
+    assert not np.array_equal(whole[:10], whole[10:20])
