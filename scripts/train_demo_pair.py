@@ -132,7 +132,7 @@ class SelfDistillSettings:
     At inference the draft follows the target's outputs, not the corpus, and a
     small target's greedy text (loops, half-remembered idioms) is far from the
     corpus. Each sequence is `prompt_len` corpus tokens (a seeded training
-    window's start) then `seq_len + 1 - prompt_len` tokens the target chose
+    window's start) then `length - prompt_len` tokens the target chose
     greedily, sequence i under `repetition_penalties[i % len(...)]` (1.0: plain
     greedy, the benchmarks; 1.2: `specdec generate`'s default). Generation also
     keeps the target's `teacher_topk` most likely next tokens (log-probabilities
@@ -143,6 +143,7 @@ class SelfDistillSettings:
 
     num_sequences: int
     prompt_len: int
+    length: int  # prompt + generated tokens per sequence (a training row)
     repetition_penalties: tuple[float, ...]
     batch_size: int  # sequences generated at once (memory only: greedy is per row)
     teacher_topk: int
@@ -244,7 +245,7 @@ def default_settings(smoke: bool) -> RunSettings:
             checkpoint_every_s=5.0,
             log_every_s=2.0,
             enforce_size_limits=False,
-            self_distill=SelfDistillSettings(16, 24, (1.0, 1.2), 8, 16),
+            self_distill=SelfDistillSettings(16, 24, 49, (1.0, 1.2), 8, 16),
             draft_final=StageSettings(10, 4, 2e-3, 2, 0.1, 0.0, 1.0),
         )
     return RunSettings(
@@ -278,12 +279,12 @@ def default_settings(smoke: bool) -> RunSettings:
         checkpoint_every_s=300.0,
         log_every_s=60.0,
         enforce_size_limits=True,
-        # Phase 3 is sized for a GPU: 8192 continuations of 321 target tokens (2.6M,
-        # about the corpus' size), then 4000 steps of 32 of them (15 passes). On this
-        # 2-core CPU a 256-row generation step at context ~400 measured 0.7-1.3 s
-        # (attention over the cache dominates): the data alone would take ~8 hours.
-        self_distill=SelfDistillSettings(8192, 192, (1.0, 1.2), 512, 32),
-        draft_final=StageSettings(4000, 32, 2e-3, 100, 0.1, 0.0, 1.0),
+        # Phase 3 (~20 minutes here): 4096 continuations of 129 target tokens after
+        # 128 corpus tokens (0.53M generated tokens), then 1000 steps of 16 of them
+        # (4 passes). Short rows because generation here is bound by reading the
+        # cache: a 256-row step at context ~400 measured 0.7-1.3 s on 2 CPU cores.
+        self_distill=SelfDistillSettings(4096, 128, 257, (1.0, 1.2), 128, 32),
+        draft_final=StageSettings(1000, 16, 2e-3, 30, 0.1, 0.0, 1.0),
     )
 
 
@@ -793,7 +794,7 @@ def greedy_continuations(params, prompts, penalties, *, cfg: ModelConfig, gen_le
 
 def stage_generate(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag) -> None:
     """Phase 3's data: the phase-2 target (bf16 weights, as shipped) continues seeded
-    corpus windows greedily. `data/generated.npz`: tokens u16[n, seq_len + 1] and the
+    corpus windows greedily. `data/generated.npz`: tokens u16[n, length] and the
     teacher's top-k per generated token (`SelfDistillSettings`)."""
     out = run_dir / "data" / "generated.npz"
     if out.exists():
@@ -803,7 +804,7 @@ def stage_generate(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag) -> N
     t_cfg, t_params = load_final(run_dir, s, "target_more")
     params = unstack_layers(jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), t_params))
     windows = Windows(load_tokens(run_dir, "train"), s.seq_len, s.seed, salt=5)
-    gen_len = s.seq_len + 1 - sd.prompt_len
+    gen_len = sd.length - sd.prompt_len
     pens = np.array(sd.repetition_penalties, np.float32)
     parts, t0 = [], time.time()
     for first in range(0, sd.num_sequences, sd.batch_size):

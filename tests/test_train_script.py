@@ -72,8 +72,8 @@ def test_all_stages_export_a_loadable_pair(full_run):
     sd = settings["self_distill"]
     with np.load(full_run / "data" / "generated.npz") as z:
         tokens, top_ids, top_logp = z["tokens"], z["top_ids"], z["top_logp"]
-    gen_len = settings["seq_len"] + 1 - sd["prompt_len"]
-    assert tokens.shape == (sd["num_sequences"], settings["seq_len"] + 1)
+    gen_len = sd["length"] - sd["prompt_len"]
+    assert tokens.shape == (sd["num_sequences"], sd["length"])
     assert top_ids.shape == top_logp.shape == (len(tokens), gen_len, sd["teacher_topk"])
     assert info["generated"]["sequences"] == len(tokens)
     # Rows with no penalty (even rows) chose the raw distribution's top token.
