@@ -16,12 +16,13 @@ source. Eight stages, each resumable, all state in one run directory:
    order, fresh optimiser, a second warmup/cosine), each starting from the bf16
    rounding of its phase-1 weights. The pair's first release was the phase-1
    export, so `--phase1-from specdec/assets/demo` can stand in for stages 2-3.
-6. generate, 7. draft_final: phase 3 (sized for a GPU; see `SelfDistillSettings`):
-   the phase-2 target continues corpus windows greedily, recording its top-k
-   next-token distribution at each generated token, and the draft is distilled
-   further on those continuations (sparse KL to the recorded top-k + a small
-   cross-entropy). `--phase2-from DIR` seeds stages 4-5 from an exported phase-2
-   pair so phase 3 runs alone. Runs whose settings predate phase 3 skip it.
+6. generate, 7. draft_final: phase 3 (scripts/demo_generate.py; sizes in
+   `SelfDistillSettings`): the phase-2 target continues corpus windows
+   greedily, recording its top-k next-token distribution at each generated
+   token, and the draft is distilled further on those continuations (sparse
+   KL to the recorded top-k + a small cross-entropy). `--phase2-from DIR`
+   seeds stages 4-5 from an exported phase-2 pair so phase 3 runs alone. Runs
+   whose settings predate phase 3 skip it.
 8. export: Hugging Face folders (config.json, bf16 model.safetensors, tokenizer
    files, generation_config.json) and held-out metrics of the bf16 weights; the
    draft is phase 3's when the run has one, else phase 2's.
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import io
 import json
 import math
@@ -59,7 +59,6 @@ from demo_corpus import (  # scripts/demo_corpus.py, beside this file
     EOT,
     EOT_ID,
     Log,
-    Rows,
     Windows,
     eval_windows,
     fmt_time,
@@ -69,21 +68,11 @@ from demo_corpus import (  # scripts/demo_corpus.py, beside this file
     write_bytes_atomic,
     write_json,
 )
+from demo_generate import IndexRows, greedy_continuations, topk_kl  # beside this file
 
 from specdec.kernels.config import ModelConfig
-from specdec.kernels.transformer import (
-    apply_rope,
-    block_logits_kv,
-    causal_block_mask,
-    init_params,
-    lm_head,
-    matmul,
-    rms_norm,
-    rope_inv_freq,
-    unstack_layers,
-)
 from specdec.kernels.transformer import forward_train as _forward_stacked
-from specdec.verify.sampling import repetition_penalized
+from specdec.kernels.transformer import init_params, unstack_layers
 
 STAGES = ("tokenizer", "target", "draft", "target_more", "draft_more", "generate",
           "draft_final", "export")  # fmt: skip
@@ -181,7 +170,7 @@ class RunSettings:
     # decoding of a model this small loops on one token; CTRL's 1.2 breaks the loops.
     repetition_penalty: float = 1.2
     # Phase 3 (absent from runs made before it existed): the draft distilled further
-    # from the phase-2 target, on corpus windows mixed with the target's own outputs.
+    # from the phase-2 target, on the target's own continuations.
     self_distill: SelfDistillSettings | None = None
     draft_final: StageSettings | None = None
 
@@ -212,6 +201,11 @@ class RunSettings:
             sd["repetition_penalties"] = tuple(sd["repetition_penalties"])
             d["self_distill"] = SelfDistillSettings(**sd)
         return cls(**d)
+
+    def stage_settings(self, stage: str) -> StageSettings:
+        """The optimisation settings of a training stage, by stage name."""
+        field = {"target": "target_train", "draft": "draft_train"}.get(stage, stage)
+        return getattr(self, field)
 
     @property
     def final_draft_stage(self) -> str:
@@ -547,10 +541,10 @@ def _record_metrics(run_dir: Path, key: str, compute: Callable[[], dict], log: L
         log(f"{key}: held-out {m}")
 
 
-def _initial_params(run_dir: Path, s: RunSettings, which: str, key, more: bool):
-    """Phase 1 starts from a seeded init, phase 2 from bf16(the phase-1 weights)."""
-    if more:
-        return bf16_round(load_final(run_dir, s, which)[1])
+def _initial_params(run_dir: Path, s: RunSettings, which: str, key, start_from: str | None):
+    """A seeded init (phase 1), or bf16(the finished `start_from` stage's weights)."""
+    if start_from is not None:
+        return bf16_round(load_final(run_dir, s, start_from)[1])
     return init_params(s.model_config(which), key)
 
 
@@ -558,8 +552,9 @@ def stage_target(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag, *, mor
     """Phase 1 (`target`): from a seeded init. Phase 2 (`target_more`): from bf16(phase 1)."""
     cfg = s.model_config("target")
     key = jax.random.key(s.seed if not more else s.seed + 2)
-    params = _initial_params(run_dir, s, "target", key, more)
-    name, st = ("target_more", s.target_more) if more else ("target", s.target_train)
+    params = _initial_params(run_dir, s, "target", key, "target" if more else None)
+    name = "target_more" if more else "target"
+    st = s.stage_settings(name)
     log(f"{name}: {cfg.num_params():,} parameters {dataclasses.asdict(s.target)}")
     windows = Windows(load_tokens(run_dir, "train"), s.seq_len, s.seed, salt=3 if more else 1)
 
@@ -606,11 +601,8 @@ def stage_draft(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag, *, name
     teacher, start_from, key_offset, salt = DRAFT_STAGES[name]
     cfg = s.model_config("draft")
     key = jax.random.key(s.seed + key_offset)
-    if start_from is None:
-        params = init_params(cfg, key)
-    else:
-        params = bf16_round(load_final(run_dir, s, start_from)[1])
-    st = {"draft": s.draft_train, "draft_more": s.draft_more, "draft_final": s.draft_final}[name]
+    params = _initial_params(run_dir, s, "draft", key, start_from)
+    st = s.stage_settings(name)
     log(f"{name}: {cfg.num_params():,} parameters {dataclasses.asdict(s.draft)}")
     t_cfg, t_params = load_final(run_dir, s, teacher)
     if name == "draft_final":
@@ -641,20 +633,6 @@ def stage_draft(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag, *, name
     return params
 
 
-class _IndexRows:
-    """`train_loop`'s data for phase 3: a batch is the generated sequences' rows; the
-    step also gets those rows' teacher top-k, gathered on the device."""
-
-    def __init__(self, tokens: np.ndarray, seed: int, salt: int):
-        self.tokens = tokens
-        self.order = Rows(np.arange(len(tokens))[:, None], seed, salt)
-
-    def batch(self, first: int, size: int) -> np.ndarray:
-        idx = np.array([self.order.sample(first + j)[0] for j in range(size)])
-        # The row index rides along as an extra last column (dropped by the loss).
-        return np.concatenate([self.tokens[idx], idx[:, None]], axis=1)
-
-
 def _phase3_data(run_dir: Path, s: RunSettings, cfg: ModelConfig, salt: int, log: Log):
     path = run_dir / "data" / "generated.npz"
     if not path.exists():
@@ -667,129 +645,16 @@ def _phase3_data(run_dir: Path, s: RunSettings, cfg: ModelConfig, salt: int, log
     log(f"draft_final: {len(tokens)} generated sequences, teacher top-{top_ids.shape[-1]}")
 
     def loss_fn(params, top_logp, top_ids, x, y):
-        # The batch's last column is each row's index (`_IndexRows`): x ends with the
+        # The batch's last column is each row's index (`IndexRows`): x ends with the
         # row's last token and the index, y with the index only; drop both.
         idx = y[:, -1]
         x, y = x[:, :-1], y[:, :-1]
         d_logp = jax.nn.log_softmax(forward_train(params, cfg, x)[:, p - 1 :], axis=-1)
-        t_logp, t_ids = top_logp[idx], top_ids[idx]  # [B, G, k]
-        t_prob = jax.nn.softmax(t_logp, axis=-1)  # the top-k, renormalised
-        d_at = jnp.take_along_axis(d_logp, t_ids, axis=-1)
-        kl = jnp.sum(t_prob * (jax.nn.log_softmax(t_logp, axis=-1) - d_at), axis=-1).mean()
+        kl = topk_kl(top_logp[idx], top_ids[idx], d_logp)
         ce = -jnp.take_along_axis(d_logp, y[:, p - 1 :, None], axis=-1).mean()
         return s.kl_weight * kl + s.ce_weight * ce
 
-    return _IndexRows(tokens, s.seed, salt + 1), (top_logp, top_ids), loss_fn
-
-
-GEN_KV_STEP = 128  # generation reads the cache in buckets of this many positions
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _gen_prefill(params, prompts, *, cfg: ModelConfig):
-    """Prompt K/V per layer [B, P, K, hd] (list) and the last position's logits."""
-    b, p = prompts.shape
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    mask = causal_block_mask(jnp.full((b,), p, jnp.int32), p)
-    logits, ks, vs = block_logits_kv(
-        params, None, prompts, positions, mask, jnp.arange(b, dtype=jnp.int32),
-        jnp.zeros((b,), jnp.int32), jnp.full((b,), p - 1, jnp.int32), cfg=cfg,
-    )  # fmt: skip
-    return logits[:, 0], ks, vs
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "kv_len"))
-def _gen_step(params, cache, tok, pos, *, cfg: ModelConfig, kv_len: int):
-    """One greedy-generation step of every row at the same position `pos`.
-
-    A plain dense decode (every row at one position, no slots): the engine's slot
-    cache gathers each row separately, which at 256 rows cost more than the model.
-    `cache` [L, 2, B, K, T, hd] holds positions [0, pos) and is only read here, over
-    [0, kv_len); the new K/V come back for `_gen_write` (XLA on CPU copies a buffer
-    that one program both reads and updates). Returns (next-token logits f32[B, V],
-    k and v [L, B, K, hd]).
-    """
-    b = tok.shape[0]
-    hd, kh, h = cfg.head_dim, cfg.num_kv_heads, cfg.num_heads
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
-    positions = jnp.full((b, 1), pos, jnp.int32)
-    visible = jnp.arange(kv_len) < pos
-    x = params["embed"][tok][:, None].astype(jnp.float32)  # [B, 1, D]
-    new_k, new_v = [], []
-    for i, lp in enumerate(params["layers"]):
-        hn = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q = apply_rope(matmul(hn, lp["wq"]).reshape(b, h, hd)[:, None], positions, inv_freq)
-        k = apply_rope(matmul(hn, lp["wk"]).reshape(b, kh, hd)[:, None], positions, inv_freq)
-        v = matmul(hn, lp["wv"]).reshape(b, kh, hd)
-        qg = q.reshape(b, kh, h // kh, hd) * (1.0 / math.sqrt(hd))
-        kc, vc = cache[i, 0, :, :, :kv_len], cache[i, 1, :, :, :kv_len]  # [B, K, T, hd]
-        # Broadcast-multiply-reduce, not einsum: XLA CPU runs a dot with batch dims
-        # (B * K of them, each [G, hd] x [hd, T]) as that many tiny products.
-        s_old = jnp.sum(qg[:, :, :, None, :] * kc[:, :, None], axis=-1)  # [B, K, G, T]
-        s_old = jnp.where(visible, s_old, -jnp.inf)
-        s_new = jnp.einsum("bkgd,bkd->bkg", qg, k[:, 0])[..., None]
-        pr = jax.nn.softmax(jnp.concatenate([s_old, s_new], axis=-1), axis=-1)
-        att = jnp.sum(pr[..., :-1, None] * vc[:, :, None], axis=-2)  # [B, K, G, hd]
-        att = att + pr[..., -1:] * v[:, :, None]
-        x = x + matmul(att.reshape(b, 1, h * hd), lp["wo"])
-        hn = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        x = x + matmul(jax.nn.silu(matmul(hn, lp["w_gate"])) * matmul(hn, lp["w_up"]),
-                       lp["w_down"])  # fmt: skip
-        new_k.append(k[:, 0])
-        new_v.append(v)
-    return lm_head(cfg, params, x)[:, 0], jnp.stack(new_k), jnp.stack(new_v)
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _gen_write(cache, k, v, pos):
-    """cache [L, 2, B, K, T, hd] with k, v [L, B, K, hd] written at position `pos`."""
-    kv = jnp.stack([k, v], axis=1)[:, :, :, :, None].astype(cache.dtype)
-    return jax.lax.dynamic_update_slice(cache, kv, (0, 0, 0, 0, pos, 0))
-
-
-@functools.partial(jax.jit, static_argnames=("topk",))
-def _gen_pick(logits, seen, penalties, *, topk: int):
-    """Greedy token under each row's repetition penalty (the lowest id on ties, like
-    the engine) and the raw distribution's top-k; `seen` gains the token."""
-    penalized = repetition_penalized(logits, seen, penalties[:, None])
-    tok = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
-    logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), topk)
-    return tok, logp, ids.astype(jnp.int32), seen.at[jnp.arange(len(tok)), tok].set(True)
-
-
-def greedy_continuations(params, prompts, penalties, *, cfg: ModelConfig, gen_len: int, topk=1):
-    """Each row's greedy continuation of `prompts` i32[B, P] under its repetition
-    penalty f32[B] (over the prompt and the tokens so far, as `specdec generate`
-    applies it), decoded with a KV cache. `params` unstacked (`unstack_layers`);
-    dense Llama layers only (no biases, QK norm, sliding window or experts).
-
-    Returns tokens i32[B, gen_len] and, per generated token, the `topk` most likely
-    tokens of the raw (unpenalised) distribution it was chosen from: log-probs
-    f32[B, gen_len, topk] and ids i32[B, gen_len, topk].
-    """
-    if cfg.attention_bias or cfg.qk_norm or cfg.sliding_window or cfg.is_moe:
-        raise ValueError("greedy_continuations covers plain dense Llama layers only.")
-    prompts = jnp.asarray(prompts, jnp.int32)
-    b, p = prompts.shape
-    total = -(-(p + gen_len) // GEN_KV_STEP) * GEN_KV_STEP
-    logits, ks, vs = _gen_prefill(params, prompts, cfg=cfg)
-    pad = ((0, 0), (0, 0), (0, 0), (0, 0), (0, total - p), (0, 0))
-    kv = jnp.stack([ks, vs], axis=1).transpose(0, 1, 2, 4, 3, 5)  # [L, 2, B, K, P, hd]
-    cache = jnp.pad(kv.astype(jnp.float32), pad)  # float32, as the engine's on CPU
-    seen = jnp.zeros((b, cfg.vocab_size), bool).at[jnp.arange(b)[:, None], prompts].set(True)
-    penalties = jnp.asarray(penalties, jnp.float32)
-    toks, logps, ids = [], [], []
-    for i in range(gen_len):
-        tok, logp, top, seen = _gen_pick(logits, seen, penalties, topk=topk)
-        toks.append(tok)
-        logps.append(logp)
-        ids.append(top)
-        if i + 1 < gen_len:
-            pos = p + i  # where `tok` goes
-            kv_len = min(-(-(pos + 1) // GEN_KV_STEP) * GEN_KV_STEP, total)
-            logits, k, v = _gen_step(params, cache, tok, jnp.int32(pos), cfg=cfg, kv_len=kv_len)
-            cache = _gen_write(cache, k, v, jnp.int32(pos))
-    return jnp.stack(toks, 1), jnp.stack(logps, 1), jnp.stack(ids, 1)
+    return IndexRows(tokens, s.seed, salt + 1), (top_logp, top_ids), loss_fn
 
 
 def stage_generate(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag) -> None:
@@ -864,7 +729,7 @@ def seed_from_export(run_dir: Path, s: RunSettings, folder: Path, log: Log, phas
         like = jax.eval_shape(lambda c=want: init_params(c, jax.random.key(0)))
         if jax.tree_util.tree_structure(like) != jax.tree_util.tree_structure(params):
             raise ValueError(f"{folder / which}: parameter tree differs from init_params'.")
-        st = getattr(s, {"target": "target_train", "draft": "draft_train"}.get(stage, stage))
+        st = s.stage_settings(stage)
         meta = {
             "step": st.steps,
             "total_steps": st.steps,

@@ -142,13 +142,15 @@ def test_phase2_from_an_export_runs_phase3_alone(full_run, tmp_path):
                 np.testing.assert_array_equal(a[key], b[key])
 
 
-def _script_module():
+def _script_module(name: str):
+    """A module of scripts/ (they import each other by plain name)."""
+    import importlib
+
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        import train_demo_pair
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    return train_demo_pair
 
 
 @pytest.mark.parametrize("kv_step", [128, 4])  # 4: the read window grows mid-sequence
@@ -159,7 +161,7 @@ def test_greedy_continuations_match_a_cacheless_greedy_loop(kv_step, monkeypatch
     from specdec.kernels.transformer import forward_train, init_params, unstack_layers
     from specdec.verify.sampling import repetition_penalized
 
-    mod = _script_module()
+    mod = _script_module("demo_generate")
     monkeypatch.setattr(mod, "GEN_KV_STEP", kv_step)
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8)  # fmt: skip
@@ -186,7 +188,7 @@ def test_greedy_continuations_match_a_cacheless_greedy_loop(kv_step, monkeypatch
 
 
 def test_rows_are_a_pure_function_of_their_index():
-    Rows = _script_module().Rows
+    Rows = _script_module("demo_corpus").Rows
     rows = np.arange(10)[:, None] * np.ones((1, 4), int)
     whole = np.stack([Rows(rows, seed=0, salt=1).sample(j) for j in range(30)])
     fresh = Rows(rows, seed=0, salt=1)  # resumed mid-way: the same samples
