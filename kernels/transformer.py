@@ -232,6 +232,8 @@ def _attention(
     b, n, h, hd = q.shape
     kh = cfg.num_kv_heads
     q = q.reshape(b, n, kh, h // kh, hd) * (1.0 / math.sqrt(hd))
+    if k_cache is not None and jax.default_backend() == "cpu" and kh <= _PER_HEAD_MAX:
+        return _attention_per_kv_head(q, k, v, k_cache, v_cache, cache_mask, block_mask)
     s_block = jnp.einsum("bnkgd,bmkd->bkgnm", q, k)
     s_block = jnp.where(block_mask[:, None, None], s_block, _NEG)
     if k_cache is None:
@@ -245,6 +247,42 @@ def _attention(
     out = jnp.einsum("bkgnt,bktd->bnkgd", p[..., :t], v_cache.astype(jnp.float32))
     out = out + jnp.einsum("bkgnm,bmkd->bnkgd", p[..., t:], v)
     return out.reshape(b, n, h * hd)
+
+
+# XLA CPU runs a dot batched over (row, KV head) as a slow loop of tiny products; one
+# product per KV head (batched over rows only) read a 1024-position cache in 3.4 ms
+# instead of 4.7 (8 layers, 7 query rows, 4 KV heads). Past this many KV heads the
+# unrolled loop would bloat the program: the batched form is kept.
+_PER_HEAD_MAX = 8
+
+
+def _attention_per_kv_head(q, k, v, k_cache, v_cache, cache_mask, block_mask):
+    """`_attention` with a cache, one KV head at a time (same maths, same masks).
+
+    q f32[B, N, K, G, hd] (scaled, RoPE applied); k, v f32[B, N, K, hd];
+    caches [B, K, T, hd]. A head's G query heads and N tokens form one
+    [G * N, hd] block of queries (row g * N + i), so each product is a plain
+    [G * N, hd] x [hd, T] matmul per row.
+    """
+    b, n, kh, g, hd = q.shape
+    t = k_cache.shape[2]
+    qh = q.transpose(0, 2, 3, 1, 4).reshape(b, kh, g * n, hd)
+    cmask = jnp.broadcast_to(cache_mask[:, None], (b, g, n, t)).reshape(b, g * n, t)
+    bmask = jnp.broadcast_to(block_mask[:, None], (b, g, n, n)).reshape(b, g * n, n)
+    outs = []
+    for j in range(kh):
+        s_c = jnp.einsum("bmd,btd->bmt", qh[:, j], k_cache[:, j].astype(jnp.float32))
+        s_b = jnp.einsum("bmd,bnd->bmn", qh[:, j], k[:, :, j])
+        s_c = jnp.where(cmask, s_c, _NEG)
+        s_b = jnp.where(bmask, s_b, _NEG)
+        m = jnp.maximum(s_c.max(axis=-1, keepdims=True), s_b.max(axis=-1, keepdims=True))
+        e_c, e_b = jnp.exp(s_c - m), jnp.exp(s_b - m)
+        denom = e_c.sum(axis=-1, keepdims=True) + e_b.sum(axis=-1, keepdims=True)
+        o = jnp.einsum("bmt,btd->bmd", e_c, v_cache[:, j].astype(jnp.float32))
+        o = o + jnp.einsum("bmn,bnd->bmd", e_b, v[:, :, j])
+        outs.append(o / denom)
+    out = jnp.stack(outs, axis=1).reshape(b, kh, g, n, hd)  # [B, K, G, N, hd]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, n, kh * g * hd)
 
 
 def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_cache):

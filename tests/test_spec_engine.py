@@ -315,11 +315,25 @@ def test_reservations_are_capped():
     rows = np.array([True, False])
     assert r.kv_len(rows, 10) == 128
     r.reserve([0], [300])
-    assert r.kv_len(rows, 10) == 512 and r.kv_len(~rows, 10) == 128
+    assert r.kv_len(rows, 10) == 384 and r.kv_len(~rows, 10) == 128
     r.reserve([0], [100_000])
-    assert r.kv_len(rows, 10) == KV_RESERVE_CAP and r.kv_len(rows, 1500) == 2048
+    assert r.kv_len(rows, 10) == KV_RESERVE_CAP and r.kv_len(rows, 1500) == 1536
     r.release(0)
     assert r.kv_len(rows, 10) == 128
+
+
+def test_kv_bucket_quarter_octaves():
+    from specdec.kernels.kv_cache import kv_bucket
+
+    # A quarter of the octave below n, never under the floor: 530 -> step 512 / 4 = 128.
+    cases = {1: 128, 128: 128, 129: 256, 300: 384, 512: 512, 513: 640, 530: 640,
+             1024: 1024, 1025: 1280, 1500: 1536, 3000: 3072}  # fmt: skip
+    for needed, want in cases.items():
+        assert kv_bucket(needed, 1 << 20) == want, needed
+    assert kv_bucket(530, 600) == 600  # capped at max_len
+    for needed in range(1, 5000, 7):  # never short; over by less than the floor or 25%
+        got = kv_bucket(needed, 1 << 20)
+        assert needed <= got < needed + max(128, needed / 4)
 
 
 # ----------------------------------------------------------------------------- repetition penalty

@@ -146,6 +146,28 @@ def test_forward_train_matches_prefill():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("heads,kv_heads,n,b", [(4, 2, 3, 2), (4, 1, 1, 1), (6, 3, 5, 3)])
+def test_per_kv_head_attention_matches_the_batched_form(monkeypatch, heads, kv_heads, n, b):
+    """The CPU form (one product per KV head) computes what the batched einsums do."""
+    cfg = ModelConfig(vocab_size=11, hidden_size=16, intermediate_size=8, num_layers=1,
+                      num_heads=heads, num_kv_heads=kv_heads, head_dim=8)  # fmt: skip
+    rng = np.random.default_rng(heads + n)
+    t, hd = 13, 8
+    q = jnp.asarray(rng.normal(size=(b, n, heads, hd)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, n, kv_heads, hd)), jnp.float32) for _ in "kv")
+    kc, vc = (jnp.asarray(rng.normal(size=(b, kv_heads, t, hd)), jnp.float32) for _ in "kv")
+    cache_mask = jnp.asarray(rng.random((b, n, t)) < 0.6)
+    cache_mask = cache_mask.at[0, 0].set(False)  # a query that sees no cached key
+    block_mask = jnp.asarray(rng.random((b, n, n)) < 0.5) | jnp.eye(n, dtype=bool)[None]
+    args = (cfg, q, k, v, kc, vc, cache_mask, block_mask)
+    assert jax.default_backend() == "cpu" and kv_heads <= T._PER_HEAD_MAX
+    per_head = T._attention(*args)
+    monkeypatch.setattr(T, "_PER_HEAD_MAX", 0)  # the batched form
+    batched = T._attention(*args)
+    assert per_head.shape == batched.shape == (b, n, heads * hd)
+    np.testing.assert_allclose(np.asarray(per_head), np.asarray(batched), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("lead", [(1,), (1, 1), (3,), (2, 4)])
 def test_one_row_bfloat16_product_matches_plain_matmul(lead):
     """The one-row bfloat16 detour in `matmul` (two rows, first kept) changes no number."""
