@@ -23,7 +23,7 @@ import json
 import os
 import statistics
 
-from common import DEMO, Timer, heldout_prompts
+from common import DEMO, Timer, describe_machine, heldout_prompts, machine
 
 
 def main() -> None:
@@ -113,6 +113,7 @@ def main() -> None:
             print(f"  round {r + 1}/{args.rounds} {name:13s} {t.seconds:6.2f} s", flush=True)
     reference = outputs["hf_ar"]
     results = {}
+    print(describe_machine())
     print(f"{len(prompts)} held-out prompts, batch 1, greedy, {args.max_tokens} new tokens, "
           f"{threads} threads, {args.dtype}, {args.rounds} rounds (medians)")  # fmt: skip
     for name in names:
@@ -135,6 +136,7 @@ def main() -> None:
     results["ratio_specdec_tree_over_hf_assisted"] = paired("specdec_tree", "hf_assisted")
     results["ratio_specdec_tree_over_hf_ar"] = paired("specdec_tree", "hf_ar")
     results["tree"] = {k: v for k, v in tree.items() if k != "model"}
+    results["machine"] = machine()
     print(f"specdec AR / HF AR:             {results['ratio_specdec_ar_over_hf_ar']:.2f}x")
     print(f"specdec tree / HF assisted:     {results['ratio_specdec_tree_over_hf_assisted']:.2f}x")
     print(f"specdec tree / HF AR:           {results['ratio_specdec_tree_over_hf_ar']:.2f}x")

@@ -22,6 +22,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from common import describe_machine, machine  # noqa: E402
 
 from specdec.draft.base import DraftBatch  # noqa: E402
 from specdec.kernels.config import ModelConfig  # noqa: E402
@@ -88,7 +89,7 @@ def main() -> None:
         target.runner.cache_lens[0] = args.context  # time the same position every call
         target.verify(np.array([7], np.int32), tree, active, sampling)
 
-    results = {"config": cfg.__class__.__name__, "params": cfg.num_params()}
+    results = {"config": cfg.__class__.__name__, "params": cfg.num_params(), "machine": machine()}
     empty = DraftBatch.empty(1)
     step(empty)
     decode_s = best_of(lambda: step(empty), args.repeats)
@@ -109,6 +110,7 @@ def main() -> None:
         curve[n] = best_of(lambda tree=tree: step(tree), args.repeats) / decode_s
     results["verify_cost_vs_decode"] = curve
 
+    print(describe_machine())
     print(f"model: {cfg.num_params() / 1e6:.0f}M params, {weight_bytes / 1e6:.0f} MB float32")
     print(f"measured bandwidth: {bandwidth / 1e9:.1f} GB/s")
     print(f"AR decode (batch 1): {decode_s * 1e3:.2f} ms/token")

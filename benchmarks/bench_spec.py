@@ -6,8 +6,9 @@ bfloat16 weights, all measured in one run: tokens/s end to end (prefill
 included) and in decode alone (after each request's first token), acceptance
 length and rate, and speedups over AR at the same batch size, both over AR in
 the same dtype and over the faster of the two AR runs (the honest baseline: on
-XLA CPU a one-row bfloat16 product is no faster than a float32 one, while a
-17-row one is 1.6x faster, so bfloat16 helps speculation, not AR).
+XLA CPU a one-row bfloat16 product is no faster than a float32 one, slower on
+a CPU without bfloat16 instructions, while many-row ones are faster, so
+bfloat16 helps speculation, not AR). The first line printed names the CPU.
 
 Every engine of one batch size is built and compiled first; then `--rounds`
 rounds each run every engine once over all prompts, in an order that rotates
@@ -26,7 +27,7 @@ import argparse
 import json
 import statistics
 
-from common import DEMO, Timer, heldout_prompts
+from common import DEMO, Timer, describe_machine, heldout_prompts, machine
 
 from specdec import LLM, SamplingParams
 
@@ -158,6 +159,7 @@ def main() -> None:
                    for dtype in args.dtypes for name in args.methods}  # fmt: skip
         results |= summarise(measure(engines, prompts, params, args.rounds))
         del engines
+    print(describe_machine())
     print(f"{len(prompts)} held-out prompts, greedy, {args.max_tokens} new tokens, "
           f"{args.rounds} rounds; x = speedup over AR in the same dtype, best = over the "
           "faster AR dtype (medians of per-round ratios)")  # fmt: skip
@@ -181,7 +183,7 @@ def main() -> None:
                      {k: v for k, v in spec.items() if k != "model"}, **r})  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"machine": machine(), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
