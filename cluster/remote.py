@@ -237,6 +237,9 @@ class RemoteTarget:
             self.history[int(s)].extend(int(t) for t in emitted[s, : num[s] + 1])
         return emitted, num, accepted
 
+    def reserve(self, slots, lengths) -> None:
+        """Not forwarded: the target actor buckets its KV length as rows grow."""
+
     def release(self, slot: int) -> None:
         self.history.pop(int(slot), None)
         if self.lost is None:
@@ -364,6 +367,9 @@ class RemoteDrafter:
             self.history[int(s)].extend(int(t) for t in emitted[s, : num_accepted[s] + 1])
         verdict = m.pack_verdict(self.round, emitted, num_accepted, accepted_nodes)
         self._fire("commit", active=active, verdict=verdict)
+
+    def reserve(self, slots, lengths) -> None:
+        """Not forwarded: the draft actor buckets its KV length as rows grow."""
 
     def release(self, slot: int) -> None:
         self.history.pop(int(slot), None)

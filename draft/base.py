@@ -1,9 +1,9 @@
 """What every drafter provides, and the batch of trees it hands the target.
 
 A drafter keeps its own per-slot state (a model drafter its KV cache, an
-n-gram drafter the committed tokens) and talks to the engine in four calls:
-`start` when sequences enter slots, `propose` once per step, `commit` with the
-target's verdict, `release` when a sequence leaves.
+n-gram drafter the committed tokens) and talks to the engine in five calls:
+`reserve` and `start` when sequences enter slots, `propose` once per step,
+`commit` with the target's verdict, `release` when a sequence leaves.
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ class Drafter(Protocol):
 
     def start(self, slots: list[int], prompts: list[list[int]], roots: list[int]) -> None:
         """New sequences entered `slots` with these prompts and first output tokens."""
+
+    def reserve(self, slots: list[int], lengths: list[int]) -> None:
+        """Rows in `slots` will grow to about `lengths` tokens (so a drafter with a KV
+        cache reads one compiled length per request); drafters without one ignore it."""
 
     def propose(self, active: np.ndarray, roots: np.ndarray, sampling: SamplingBatch) -> DraftBatch:
         """Trees hanging from `roots` (i32[S]) for the active slots (bool[S])."""

@@ -48,6 +48,9 @@ class NgramDrafter:
         for s, p, r in zip(slots, prompts, roots, strict=True):
             self.history[s] = [*p, r]
 
+    def reserve(self, slots, lengths) -> None:
+        """No KV cache: nothing to size."""
+
     def release(self, slot: int) -> None:
         self.history[slot] = []
 

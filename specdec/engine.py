@@ -223,14 +223,14 @@ class LLMEngine:
         if not new:
             return []
         # Each row's final length, so the whole request runs one compiled KV length
-        # (`ModelRunner.reserve`); in-process workers only, remote ones bucket as they go.
+        # (`ModelRunner.reserve`); remote workers ignore it and bucket as they go.
         tree = self.drafter.max_nodes if self.drafter is not None else 0
         planned = [
             min(len(s.prompt_token_ids) + s.params.max_tokens, self.max_model_len) + tree + 2
             for s in new
         ]
         for worker in (self.target, self.drafter):
-            if hasattr(worker, "reserve"):
+            if worker is not None:
                 worker.reserve([s.slot for s in new], planned)
         roots = self.target.prefill(
             [s.slot for s in new], [s.prompt_token_ids for s in new], self._sampling(new)
