@@ -115,6 +115,7 @@ def sampling_from(msg: dict) -> SamplingBatch:
 def pack_tree(round_id: int, batch: DraftBatch, active: np.ndarray, stats: dict) -> bytes:
     """A DraftBatch as one `TokenTree` message per active row (real nodes only)."""
     rows = []
+    batch = batch.to_host()
     probs = None if batch.draft_probs is None else np.asarray(batch.draft_probs)
     for s in np.flatnonzero(active):
         n = int((batch.parents[s] >= -1).sum())

@@ -23,6 +23,8 @@ PAD_PARENT = -2  # parent index of a padding node
 class DraftBatch:
     """One step's trees for all slots (row s = slot s), padded to N nodes."""
 
+    # tokens and parents may still be device arrays (a model drafter hands its tree to
+    # the in-process verify without a host round trip); `to_host` for numpy work.
     tokens: np.ndarray  # i32[S, N]
     parents: np.ndarray  # i32[S, N], -1 = child of root, -2 = padding
     draft_probs: object  # f32[S, N+1, V] q per node (device or host); None if not needed
@@ -30,7 +32,13 @@ class DraftBatch:
 
     @property
     def num_nodes(self) -> np.ndarray:  # i32[S] real (unpadded) nodes per row
-        return (self.parents >= -1).sum(axis=1).astype(np.int32)
+        return (np.asarray(self.parents) >= -1).sum(axis=1).astype(np.int32)
+
+    def to_host(self) -> DraftBatch:
+        """The same trees with tokens and parents as writable numpy arrays."""
+        return dataclasses.replace(
+            self, tokens=np.array(self.tokens), parents=np.array(self.parents)
+        )
 
     @classmethod
     def empty(cls, num_slots: int, max_nodes: int = 0) -> DraftBatch:

@@ -52,7 +52,7 @@ from specdec.verify.batch import SamplingBatch
 from specdec.verify.sampling import repetition_penalized
 from specdec.verify.tree import ChildSampling
 
-from .base import DraftBatch
+from .base import PAD_PARENT, DraftBatch
 
 
 def num_candidates(topk: int, max_depth: int) -> int:
@@ -165,22 +165,28 @@ class ModelDrafter:
             vocab_limit=self.vocab_limit,
             kv_len=r.kv_len(active, int(r.cache_lens[active].max(initial=0)) + self.extent),
         )
-        tokens, parents = np.array(tokens), np.array(parents)
-        parents[~active] = -2
-        self._expanded = np.asarray(expanded)
+        # Left on the device: the verify is dispatched while this tree is still growing
+        # (`commit` reads `expanded` after the verdict, when it is long done).
+        self._expanded = expanded
         self._root_pos = r.cache_lens + pend_len - 1
         return DraftBatch(tokens, parents, None, self.child_sampling)
+
+    def _host_expanded(self) -> np.ndarray:
+        """`_expanded` as numpy (it stays a device array from `propose` until needed)."""
+        self._expanded = np.asarray(self._expanded)
+        return self._expanded
 
     def commit(self, active, accepted_nodes, num_accepted, emitted) -> None:
         r = self.runner
         s_count = r.num_slots
         src = np.zeros((s_count, self.max_depth), np.int32)
         kept = np.zeros(s_count, np.int32)
+        expanded = self._host_expanded()
         for s in np.flatnonzero(active):
             path = accepted_nodes[s, : num_accepted[s]]
             m = 0
-            while m < len(path) and self._expanded[s, path[m]] >= 0:
-                src[s, m] = self._expanded[s, path[m]]
+            while m < len(path) and expanded[s, path[m]] >= 0:
+                src[s, m] = expanded[s, path[m]]
                 m += 1
             kept[s] = m
             r.cache_lens[s] = self._root_pos[s] + 1 + m
@@ -205,11 +211,12 @@ class ModelDrafter:
         `max_depth`) are not guessed.
         """
         s_count = self.runner.num_slots
+        tree = tree.to_host()
         chain, length = greedy_chain(tree.parents)
         rows = np.asarray(active, bool) & (length > 0)
         for s in np.flatnonzero(rows):
-            rows[s] = self._expanded[s, chain[s, length[s] - 1]] < 0
-        before_expanded, before_root_pos = self._expanded.copy(), self._root_pos.copy()
+            rows[s] = self._host_expanded()[s, chain[s, length[s] - 1]] < 0
+        before_expanded, before_root_pos = self._host_expanded().copy(), self._root_pos.copy()
         emitted = np.zeros((s_count, self.max_nodes + 1), np.int32)
         for s in np.flatnonzero(rows):
             emitted[s, : length[s]] = tree.tokens[s, chain[s, : length[s]]]
@@ -220,7 +227,7 @@ class ModelDrafter:
         for s in np.flatnonzero(rows):
             self.pending[s][-1] = int(bonus[s])
             guess[int(s)] = [*emitted[s, : length[s]].tolist(), int(bonus[s])]
-        next_tree = self.propose(rows, None, None) if rows.any() else None
+        next_tree = self.propose(rows, None, None).to_host() if rows.any() else None
         spec = Speculation(
             rows=rows,
             guess=guess,
@@ -262,7 +269,7 @@ class ModelDrafter:
         reuse = np.asarray(active, bool) & np.asarray(hit, bool) & spec.rows
         fresh = np.asarray(active, bool) & ~reuse
         if fresh.any():
-            batch = self.propose(fresh, roots, sampling)
+            batch = self.propose(fresh, roots, sampling).to_host()
         else:
             batch = DraftBatch.empty(self.runner.num_slots, self.max_nodes)
         if reuse.any():
@@ -454,6 +461,7 @@ def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, pena
     par_cand = jnp.take_along_axis(cand_par, chosen, axis=1)
     par_idx = jax.vmap(jnp.searchsorted)(chosen, par_cand)
     parents = jnp.where(par_cand >= 0, par_idx, -1).astype(jnp.int32)
+    parents = jnp.where(slots[:, None] >= 0, parents, PAD_PARENT)  # inactive rows: no tree
     tokens = jnp.take_along_axis(cand_tok, chosen, axis=1)
     expanded = jnp.take_along_axis(cand_exp, chosen, axis=1)
     return tokens, parents, expanded, cache

@@ -2,11 +2,15 @@
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+# Tests never read or write the user's ~/.cache/specdec (tree plans, XLA programs):
+# one fresh folder per session, so no run depends on what an earlier one left there.
+os.environ.setdefault("SPECDEC_CACHE", tempfile.mkdtemp(prefix="specdec-test-cache-"))
 
 # `python -m pytest` puts the repository root on sys.path, where the top-level
 # source folders (kernels/, draft/, ...) would import as bare packages. They are
