@@ -153,6 +153,6 @@ def kv_bucket(needed: int, max_len: int, floor: int = 128) -> int:
     context; on an AMD EPYC (Zen 2) 1024 instead of 512 positions cost the demo
     target's 7-row verify 1.7 ms of its 17 (bfloat16) and a decode step 1.8 of 11.9.
     """
-    n = max(needed, floor)
+    n = int(max(needed, floor))  # a numpy integer has no bit_length
     step = max(floor, (1 << (n.bit_length() - 1)) // 4)  # a quarter of the octave below n
     return min(-(-n // step) * step, max_len)

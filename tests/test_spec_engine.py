@@ -331,6 +331,7 @@ def test_kv_bucket_quarter_octaves():
     for needed, want in cases.items():
         assert kv_bucket(needed, 1 << 20) == want, needed
     assert kv_bucket(530, 600) == 600  # capped at max_len
+    assert kv_bucket(np.int64(530), 4096) == 640  # numpy integers too
     for needed in range(1, 5000, 7):  # never short; over by less than the floor or 25%
         got = kv_bucket(needed, 1 << 20)
         assert needed <= got < needed + max(128, needed / 4)
