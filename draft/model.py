@@ -211,12 +211,12 @@ class ModelDrafter:
         `max_depth`) are not guessed.
         """
         s_count = self.runner.num_slots
-        tree = tree.to_host()
+        tree, expanded = tree.to_host(), self._host_expanded()
         chain, length = greedy_chain(tree.parents)
         rows = np.asarray(active, bool) & (length > 0)
         for s in np.flatnonzero(rows):
-            rows[s] = self._host_expanded()[s, chain[s, length[s] - 1]] < 0
-        before_expanded, before_root_pos = self._host_expanded().copy(), self._root_pos.copy()
+            rows[s] = expanded[s, chain[s, length[s] - 1]] < 0
+        before_expanded, before_root_pos = expanded.copy(), self._root_pos.copy()
         emitted = np.zeros((s_count, self.max_nodes + 1), np.int32)
         for s in np.flatnonzero(rows):
             emitted[s, : length[s]] = tree.tokens[s, chain[s, : length[s]]]
