@@ -1,8 +1,9 @@
 """Speculative decoding vs plain autoregressive decoding on held-out prompts.
 
 Greedy, 128 new tokens, batch 1 and batch 8; plain AR, chain speculation
-(topk=1), a small tree, a 16-node tree and n-gram speculation, in float32 and
-bfloat16 weights, all measured in one run: tokens/s end to end (prefill
+(topk=1), a small tree, a 16-node tree, the tree `num_speculative_tokens="auto"`
+sizes for this machine (what `specdec generate` runs) and n-gram speculation,
+in float32 and bfloat16 weights, all measured in one run: tokens/s end to end (prefill
 included) and in decode alone (after each request's first token), acceptance
 length and rate, and speedups over AR at the same batch size, both over AR in
 the same dtype and over the faster of the two AR runs (the honest baseline: on
@@ -42,6 +43,7 @@ def methods(draft: str, args) -> dict[str, dict | None]:
                  "topk": args.topk},
         "tree16": {**model, "num_speculative_tokens": 16, "max_depth": args.depth16,
                    "topk": args.topk16},
+        "auto": {**model, "num_speculative_tokens": "auto"},  # what `specdec generate` uses
         "ngram": {"method": "ngram", "num_speculative_tokens": 8, "max_depth": 4, "topk": 2},
     }  # fmt: skip
 
@@ -132,8 +134,9 @@ def main() -> None:
     ap.add_argument("--depth16", type=int, default=8, help="depth of the 16-node tree")
     ap.add_argument("--topk16", type=int, default=2, help="width of the 16-node tree")
     ap.add_argument("--chain-depth", type=int, default=4, help="chain length (topk 1)")
-    ap.add_argument("--methods", nargs="+", default=["ar", "chain", "tree", "tree16", "ngram"],
-                    choices=["ar", "chain", "tree", "tree16", "ngram"])  # fmt: skip
+    ap.add_argument("--methods", nargs="+",
+                    default=["ar", "chain", "tree", "tree16", "auto", "ngram"],
+                    choices=["ar", "chain", "tree", "tree16", "auto", "ngram"])  # fmt: skip
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                     choices=["float32", "bfloat16"])  # fmt: skip
     ap.add_argument(

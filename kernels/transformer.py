@@ -23,13 +23,15 @@ Params are a dict pytree with per-layer weights stacked on a leading L axis
 (so layers run under `lax.scan` and a kernel can stream them); matrices are
 `[in, out]`:
 
-    embed        [V, D]             final_norm [D]        lm_head [D, V] (absent if tied)
+    embed        [V, D]             final_norm [D]        lm_head [D, V] (tied: absent*)
     layers/attn_norm, mlp_norm   [L, D]
     layers/wq [L, D, H*hd]   wk, wv [L, D, K*hd]   wo [L, H*hd, D]
     layers/bq [L, H*hd]      bk, bv [L, K*hd]              (attention_bias)
     layers/q_norm, k_norm [L, hd]                           (qk_norm)
     layers/w_gate, w_up [L, D, F]   w_down [L, F, D]        (dense MLP)
     layers/router [L, D, E]   e_gate, e_up [L, E, D, Fe]   e_down [L, E, Fe, D]  (MoE)
+
+*On CPU a tied model gets a [D, V] copy of embed.T as lm_head (`untie_head`).
 """
 
 from __future__ import annotations
@@ -310,9 +312,9 @@ def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_c
 def lm_head(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
     """Final norm + vocabulary projection: x f32[..., D] -> logits f32[..., V]."""
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    if cfg.tie_word_embeddings:
-        return matmul(h, params["embed"].T)
-    return matmul(h, params["lm_head"])
+    if "lm_head" in params:  # untied, or tied with a [D, V] copy (`untie_head`)
+        return matmul(h, params["lm_head"])
+    return matmul(h, params["embed"].T)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -407,6 +409,18 @@ def unstack_layers(params: Params) -> Params:
     n = next(iter(stacked.values())).shape[0]
     layers = tuple({k: v[i] for k, v in stacked.items()} for i in range(n))
     return {**params, "layers": layers}
+
+
+def untie_head(params: Params) -> Params:
+    """A tied model's params with an explicit [D, V] `lm_head` (a copy of embed.T).
+
+    For XLA on CPU: its Eigen GEMM reads the transposed embedding about 10x
+    slower than a row-major [D, V] matrix (`dot_library`). Costs V * D more
+    weights, so accelerators keep the tied form.
+    """
+    if "lm_head" in params:
+        return params
+    return {**params, "lm_head": jnp.transpose(params["embed"])}
 
 
 def _put_rows(cache: KVCache, k_rows, v_rows, slots, starts) -> KVCache:

@@ -19,12 +19,19 @@ One wide [m, D] x [D, L * 3F] product (this module before) stayed nearly flat
 to 65 rows on 2 CPU cores (1.48x) while the demo target's real products cost
 1.2x at 5 rows and 1.8x at 17: it picked 64 nodes where 8 measured fastest.
 The draft's cost is not counted (yet).
+
+On CPU each row count is timed under each dot library worth trying
+(`kernels/dot_library.py`: XLA's default YNNPACK path, or its Eigen GEMM for
+float32); cost(N) takes the faster, and the target's verify is compiled for
+the library that won at its row count (`best_library`). Timings are kept per
+machine, dtype and model shape in $SPECDEC_CACHE/product_costs_v1.json.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -32,8 +39,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from specdec.kernels import transformer
+from specdec.kernels import dot_library, transformer
 from specdec.kernels.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +53,7 @@ class TreePlan:
     max_depth: int
     cost: dict[int, float]  # N -> verify cost of N nodes relative to a 1-token decode
     score: dict[int, float]  # N -> expected tokens per unit of decode time
+    library: dict[int, str] = dataclasses.field(default_factory=dict)  # N -> faster dot library
 
 
 # (num_nodes, max_depth, expected acceptance length) for a distilled draft.
@@ -73,11 +83,15 @@ def weight_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     return layer * cfg.num_layers + [(d, cfg.vocab_size)]
 
 
-def plan_tree(cfg: ModelConfig, dtype=jnp.float32, max_bytes: int = 256 << 20) -> TreePlan:
-    """Measures the verify-cost curve on this machine and picks the tree size.
+def product_costs(
+    cfg: ModelConfig, dtype, rows: list[int], *, max_bytes: int = 256 << 20
+) -> dict[str, dict[int, float]]:
+    """Seconds for one pass over the weight products at each row count, per dot
+    library worth trying here (`libraries`).
 
     Times the first matrices of `weight_shapes` that fit in `max_bytes` (a large
-    model's first layers: the cost ratio is per layer)."""
+    model's first layers: the cost ratio is per layer). A library whose compile
+    options this XLA rejects is left out."""
     itemsize = jnp.dtype(dtype).itemsize
     shapes, total = [], 0
     for shape in weight_shapes(cfg):
@@ -86,56 +100,114 @@ def plan_tree(cfg: ModelConfig, dtype=jnp.float32, max_bytes: int = 256 << 20) -
         shapes.append(shape)
         total += shape[0] * shape[1] * itemsize
     ws = [jnp.full(shape, 0.01, dtype) for shape in shapes]
-    f = jax.jit(lambda ws, xs: [transformer.matmul(x, w) for x, w in zip(xs, ws, strict=True)])
+    jits = dot_library.jit_each(
+        lambda ws, xs: [transformer.matmul(x, w) for x, w in zip(xs, ws, strict=True)]
+    )
+    out: dict[str, dict[int, float]] = {}
+    for name in libraries(cfg, dtype):
+        costs = {}
+        try:
+            for m in rows:
+                xs = [jnp.ones((m, shape[0]), dtype) for shape in shapes]
+                costs[m] = _time(lambda xs, f=jits[name]: f(ws, xs), xs)
+        except Exception as e:  # noqa: BLE001 - an XLA without this library's flag
+            if name == "default":
+                raise
+            logger.warning("dot library %r unavailable here (%s); using XLA's default", name, e)
+            continue
+        out[name] = costs
+    return out
 
-    def cost_at(m: int) -> float:
-        xs = [jnp.ones((m, shape[0]), dtype) for shape in shapes]
-        return _time(lambda xs: f(ws, xs), xs)
 
-    base = cost_at(1)
-    cost, score = {}, {}
+def plan_from_costs(costs: dict[str, dict[int, float]]) -> TreePlan:
+    """The best candidate tree for per-library product timings at 1 and N + 1 rows.
+
+    cost(N) = best library's time at N + 1 rows / best library's time at 1 row."""
+    best = {m: min(c[m] for c in costs.values()) for m in next(iter(costs.values()))}
+    base = best[1]
+    cost, score, library = {}, {}, {}
     floor = 1.0  # a bigger block never costs less (timing noise aside)
     for n, _, prior in CANDIDATES:
-        floor = cost[n] = max(floor, cost_at(n + 1) / base)
+        floor = cost[n] = max(floor, best[n + 1] / base)
         score[n] = prior / cost[n]
-    best = max(CANDIDATES, key=lambda c: score[c[0]])
-    return TreePlan(num_nodes=best[0], max_depth=best[1], cost=cost, score=score)
+        library[n] = min(costs, key=lambda name: costs[name][n + 1])
+    pick = max(CANDIDATES, key=lambda c: score[c[0]])
+    return TreePlan(num_nodes=pick[0], max_depth=pick[1], cost=cost, score=score,
+                    library=library)  # fmt: skip
+
+
+PLAN_ROWS = [1] + [n + 1 for n, _, _ in CANDIDATES]
+
+
+def plan_tree(cfg: ModelConfig, dtype=jnp.float32, max_bytes: int = 256 << 20) -> TreePlan:
+    """Measures the verify-cost curve on this machine and picks the tree size."""
+    return plan_from_costs(product_costs(cfg, dtype, PLAN_ROWS, max_bytes=max_bytes))
+
+
+def _cache_key(cfg: ModelConfig, dtype) -> str:
+    dev = jax.devices()[0]
+    shapes = ",".join(f"{a}x{b}" for a, b in sorted(set(weight_shapes(cfg))))
+    return f"{dev.platform}:{dev.device_kind}:{os.cpu_count()}:{jnp.dtype(dtype).name}:{shapes}"
+
+
+def cached_costs(cfg: ModelConfig, dtype, rows: list[int]) -> dict[str, dict[int, float]]:
+    """`product_costs`, remembered per machine, backend, dtype and model shape in
+    $SPECDEC_CACHE (default ~/.cache/specdec); only missing row counts are timed."""
+    home = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+    path = home / "product_costs_v1.json"
+    key = _cache_key(cfg, dtype)
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    known = {lib: {int(m): t for m, t in c.items()} for lib, c in table.get(key, {}).items()}
+    missing = [m for m in rows if not known or any(m not in c for c in known.values())]
+    if missing:
+        for lib, c in product_costs(cfg, dtype, missing).items():
+            known.setdefault(lib, {}).update(c)
+        table[key] = {lib: {str(m): t for m, t in c.items()} for lib, c in known.items()}
+        try:
+            home.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(table, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass  # unwritable cache: measure again next time
+    return {lib: {m: c[m] for m in rows} for lib, c in known.items() if all(m in c for m in rows)}
 
 
 def cached_plan(cfg: ModelConfig, dtype=jnp.float32) -> TreePlan:
-    """`plan_tree`, remembered per machine, backend and model shape (~/.cache/specdec)."""
-    home = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
-    dev = jax.devices()[0]
-    key = f"{dev.platform}:{dev.device_kind}:{os.cpu_count()}:{jnp.dtype(dtype).name}:" + (
-        f"{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.num_layers}x{cfg.moe_intermediate_size}"
-    )
-    path = home / "tree_plans_v3.json"  # v3: timed over the model's own products
-    try:
-        plans = json.loads(path.read_text())
-    except (OSError, ValueError):
-        plans = {}
-    if key in plans:
-        p = plans[key]
-        return TreePlan(
-            num_nodes=p["num_nodes"], max_depth=p["max_depth"],
-            cost={int(k): v for k, v in p["cost"].items()},
-            score={int(k): v for k, v in p["score"].items()},
-        )  # fmt: skip
-    plan = plan_tree(cfg, dtype)
-    plans[key] = dataclasses.asdict(plan)
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(plans, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass  # unwritable cache: measure again next time
-    return plan
+    """`plan_tree` over remembered timings (`cached_costs`)."""
+    return plan_from_costs(cached_costs(cfg, dtype, PLAN_ROWS))
+
+
+# Below this many weight bytes a model's products are not what its steps wait on
+# (they sit in cache; dispatch dominates): XLA's default library, nothing timed.
+LIBRARY_MIN_BYTES = 16 << 20
+
+
+def libraries(cfg: ModelConfig, dtype) -> tuple[str, ...]:
+    """The dot libraries worth timing for this model (`dot_library.candidates`)."""
+    size = sum(a * b for a, b in weight_shapes(cfg)) * jnp.dtype(dtype).itemsize
+    return dot_library.candidates(dtype) if size >= LIBRARY_MIN_BYTES else ("default",)
+
+
+def best_library(cfg: ModelConfig, dtype, rows: int) -> str:
+    """The dot library with the faster weight products at `rows` rows (timed once)."""
+    if len(libraries(cfg, dtype)) == 1:
+        return "default"
+    costs = cached_costs(cfg, dtype, [rows])
+    return min(costs, key=lambda name: costs[name][rows])
 
 
 def describe(plan: TreePlan) -> str:
     curve = ", ".join(f"N={n}: {c:.2f}x" for n, c in plan.cost.items())
-    return f"tree of {plan.num_nodes} nodes, depth {plan.max_depth} (verify cost {curve})"
+    lib = plan.library.get(plan.num_nodes, "default")
+    return (f"tree of {plan.num_nodes} nodes, depth {plan.max_depth} (verify cost {curve}; "
+            f"{lib} dot library)")  # fmt: skip
 
 
-__all__ = ["CANDIDATES", "TreePlan", "cached_plan", "describe", "plan_tree", "weight_shapes"]
+__all__ = [
+    "CANDIDATES", "LIBRARY_MIN_BYTES", "TreePlan", "best_library", "cached_costs", "cached_plan",
+    "describe", "libraries", "plan_from_costs", "plan_tree", "product_costs", "weight_shapes",
+]  # fmt: skip

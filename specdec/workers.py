@@ -28,13 +28,13 @@ from specdec.checkpoint import load_model
 from specdec.draft.base import DraftBatch, Drafter
 from specdec.draft.model import ModelDrafter
 from specdec.draft.ngram import NgramDrafter
-from specdec.kernels import transformer
+from specdec.kernels import dot_library, transformer
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.kv_cache import ModelRunner
 from specdec.kernels.megakernel.reference import tree_block
 from specdec.kernels.transformer import KVCache, Params
 from specdec.params import SpeculativeConfig
-from specdec.sizing import cached_plan, describe
+from specdec.sizing import best_library, cached_plan, describe
 from specdec.verify.acceptance import ACCEPTANCE_RULES, Verdict, emitted_tokens, greedy_accept
 from specdec.verify.batch import SamplingBatch
 from specdec.verify.sampling import sample_from_uniform
@@ -43,8 +43,7 @@ from specdec.verify.tree import ChildSampling
 logger = logging.getLogger(__name__)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "child_sampling", "kv_len"))
-def verify_step(
+def _verify_step(
     params: Params,
     cache: KVCache,
     roots: jax.Array,  # i32[B]
@@ -103,6 +102,13 @@ def verify_step(
     return emitted, verdict.num_accepted, verdict.accepted_nodes, ks, vs
 
 
+# One compiled copy per CPU dot library (`dot_library`); `verify_step` = XLA's default.
+VERIFY_STEPS = dot_library.jit_each(
+    _verify_step, static_argnames=("cfg", "child_sampling", "kv_len")
+)
+verify_step = VERIFY_STEPS["default"]
+
+
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def commit_path(
     cache: KVCache,
@@ -148,10 +154,11 @@ def resolve_kernel(kernel: str, cfg: ModelConfig) -> str:
     return kernel
 
 
-def _verify_xla(r: ModelRunner, cfg, roots, tree: DraftBatch, slots, active, sampling):
+def _verify_xla(r: ModelRunner, cfg, roots, tree: DraftBatch, slots, active, sampling,
+                library: str = "default"):  # fmt: skip
     """Jitted tree forward + acceptance, then one donated write of the kept K/V."""
     n = tree.tokens.shape[1]
-    emitted, num, accepted, ks, vs = verify_step(
+    emitted, num, accepted, ks, vs = VERIFY_STEPS[library](
         r.params, r.cache, roots, tree.tokens, tree.parents, tree.draft_probs, slots,
         r.cache_lens.copy(),  # never hand jax a buffer we mutate later
         sampling, cfg=cfg, child_sampling=tree.child_sampling,
@@ -161,8 +168,11 @@ def _verify_xla(r: ModelRunner, cfg, roots, tree: DraftBatch, slots, active, sam
     return emitted, num, accepted
 
 
-def _verify_megakernel(r: ModelRunner, cfg, roots, tree: DraftBatch, slots, active, sampling):
-    """The Pallas verify megakernel (interpret mode off TPU), then the K/V commit."""
+def _verify_megakernel(r: ModelRunner, cfg, roots, tree: DraftBatch, slots, active, sampling,
+                       library: str = "default"):  # fmt: skip
+    """The Pallas verify megakernel (interpret mode off TPU), then the K/V commit.
+
+    `library` is ignored: the kernel's products are its own."""
     from specdec.kernels import megakernel
 
     n = tree.tokens.shape[1]
@@ -209,6 +219,7 @@ class TargetWorker:
             prefill_chunk=prefill_chunk,
             stacked=self.kernel == "megakernel",  # the kernel streams [L, ...] weights
         )
+        self._libraries: dict[int, str] = {}  # verify rows -> dot library (CPU, `sizing`)
 
     @property
     def cache_lens(self) -> np.ndarray:
@@ -240,13 +251,23 @@ class TargetWorker:
         # The megakernel's in-kernel greedy walk knows no repetition penalty: steps with
         # a penalised row take the XLA verify, which computes the same verdict otherwise.
         verify = _verify_xla if sampling.seen is not None else self._verify
-        emitted, num, accepted = verify(r, self.cfg, roots, tree, slots, active, sampling)
+        library = self.dot_library(r.num_slots * (tree.tokens.shape[1] + 1))
+        emitted, num, accepted = verify(r, self.cfg, roots, tree, slots, active, sampling,
+                                        library)  # fmt: skip
         emitted, num, accepted = np.asarray(emitted), np.asarray(num), np.asarray(accepted)
         r.cache_lens[active] += 1 + num[active]
         return emitted, num, accepted
 
     def release(self, slot: int) -> None:
         self.runner.release(slot)
+
+    def dot_library(self, rows: int) -> str:
+        """The CPU dot library for a verify over `rows` query rows: the one whose
+        weight products timed faster at that row count (`sizing.best_library`)."""
+        if rows not in self._libraries:
+            dtype = self.runner.params["embed"].dtype
+            self._libraries[rows] = best_library(self.cfg, dtype, rows)
+        return self._libraries[rows]
 
 
 # ----------------------------------------------------------------------------- drafters

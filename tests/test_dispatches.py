@@ -27,18 +27,20 @@ def test_three_dispatches_per_step(tmp_path, monkeypatch):
 
     calls = collections.Counter()
 
-    def counted(module, name):
-        fn = getattr(module, name)
-
+    def wrap(name, fn):
         @functools.wraps(fn)
         def wrapper(*a, **k):
             calls[name] += 1
             return fn(*a, **k)
 
-        monkeypatch.setattr(module, name, wrapper)
+        return wrapper
+
+    def counted(module, name):
+        monkeypatch.setattr(module, name, wrap(name, getattr(module, name)))
 
     counted(draft_model, "_grow")
-    counted(workers, "verify_step")
+    for library, fn in workers.VERIFY_STEPS.items():  # one jitted copy per dot library
+        monkeypatch.setitem(workers.VERIFY_STEPS, library, wrap("verify_step", fn))
     counted(workers, "commit_path")
     counted(transformer, "commit_kv")
     # Admission (prefill) is not a step: start every request, then count only steps.

@@ -1,0 +1,148 @@
+"""CPU dot libraries (`kernels/dot_library.py`): same answers, measured choice, used."""
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from fixtures import tiny_config, tiny_pair
+
+from specdec import LLM, SamplingParams, sizing, workers
+from specdec.checkpoint import load_config
+from specdec.kernels import dot_library, transformer
+from specdec.kernels.kv_cache import ModelRunner
+from specdec.kernels.transformer import init_params, unstack_layers
+
+DEMO_TARGET = Path(sizing.__file__).parent / "assets" / "demo" / "target"
+
+
+def test_candidates_per_dtype_on_cpu():
+    assert dot_library.candidates(jnp.float32) == ("default", "eigen")
+    assert dot_library.candidates(jnp.bfloat16) == ("default",)  # Eigen has no bf16 GEMM
+
+
+def test_only_models_past_the_cache_size_time_libraries():
+    demo = load_config(DEMO_TARGET)  # 27M parameters: 109 MB in float32
+    assert sizing.libraries(demo, jnp.float32) == ("default", "eigen")
+    assert sizing.libraries(demo, jnp.bfloat16) == ("default",)
+    assert sizing.libraries(tiny_config(), jnp.float32) == ("default",)
+    assert sizing.best_library(tiny_config(), jnp.float32, 9) == "default"  # nothing timed
+
+
+def test_eigen_copy_compiles_without_ynnpack_and_agrees():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 64)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(64, 96)), jnp.float32)
+    jits = dot_library.jit_each(lambda x, w: transformer.matmul(x, w))
+    text = jits["eigen"].lower(x, w).compile().as_text().lower()
+    assert "ynn_fusion" not in text and "dot(" in text  # the option reached the compiler
+    np.testing.assert_allclose(jits["eigen"](x, w), jits["default"](x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_untie_head_gives_the_same_logits():
+    cfg = tiny_config(tie_word_embeddings=True)
+    params = unstack_layers(init_params(cfg, jax.random.key(0)))
+    assert "lm_head" not in params
+    untied = transformer.untie_head(params)
+    np.testing.assert_array_equal(untied["lm_head"], np.asarray(params["embed"]).T)
+    assert transformer.untie_head(untied) is untied  # idempotent
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3, cfg.hidden_size)), jnp.float32)
+    want = transformer.lm_head(cfg, params, x)
+    np.testing.assert_allclose(transformer.lm_head(cfg, untied, x), want, rtol=1e-6, atol=1e-6)
+    # The CPU runner streams the [D, V] copy; the stacked (megakernel) layout keeps it tied.
+    assert "lm_head" in ModelRunner(cfg, params, num_slots=1, max_len=32).params
+    stacked = init_params(cfg, jax.random.key(0))
+    assert "lm_head" not in ModelRunner(cfg, stacked, num_slots=1, max_len=32, stacked=True).params
+
+
+def test_verify_step_same_verdict_under_both_libraries(tmp_path):
+    """Greedy verdicts and K/V of one tree verify match between the compiled copies."""
+    target = tiny_pair(tmp_path / "t")
+    llm = LLM(target, dtype="float32", max_num_seqs=2)
+    tw = llm.engine.target
+    r = tw.runner
+    tw.prefill([0, 1], [[5, 6, 7, 8], [9, 10]], llm.engine._sampling(llm.engine.slots))
+    r.cache_lens[:2] = [4, 2]
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, 300, (2, 6)), jnp.int32)
+    parents = jnp.asarray([[-1, 0, 0, 1, 2, 3], [-1, -1, 0, 1, -2, -2]], jnp.int32)
+    args = (r.params, r.cache, jnp.asarray([3, 4], jnp.int32), tokens, parents, None,
+            jnp.asarray([0, 1], jnp.int32), jnp.asarray(r.cache_lens),
+            llm.engine._sampling(llm.engine.slots))  # fmt: skip
+    kw = dict(cfg=tw.cfg, child_sampling=workers.ChildSampling.DETERMINISTIC_TOPK, kv_len=128)
+    want = workers.VERIFY_STEPS["default"](*args, **kw)
+    got = workers.VERIFY_STEPS["eigen"](*args, **kw)
+    for a, b in zip(want[:3], got[:3], strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(want[3:], got[3:], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _fake_costs(monkeypatch, tmp_path, eigen_rows_faster_from: int):
+    """A cost table where Eigen wins at and above `eigen_rows_faster_from` rows."""
+    calls = []
+
+    def fake(cfg, dtype, rows, **kw):
+        calls.append(list(rows))
+        return {"default": {m: 1e-3 * (1 + m) for m in rows},
+                "eigen": {m: 1e-3 * (1 + m) + (-5e-4 if m >= eigen_rows_faster_from else 5e-4)
+                          for m in rows}}  # fmt: skip
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sizing, "product_costs", fake)
+    monkeypatch.setattr(sizing, "LIBRARY_MIN_BYTES", 0)  # tiny models choose too
+    return calls
+
+
+def test_plan_and_best_library_use_the_faster_library(monkeypatch, tmp_path):
+    calls = _fake_costs(monkeypatch, tmp_path, eigen_rows_faster_from=6)
+    cfg = tiny_config()
+    plan = sizing.cached_plan(cfg, jnp.float32)
+    assert plan.library == {4: "default", 8: "eigen", 16: "eigen", 32: "eigen", 64: "eigen"}
+    # cost(N) = best time at N + 1 rows over the best at one row
+    assert plan.cost[8] == pytest.approx((1e-3 * 10 - 5e-4) / 2e-3)
+    assert "eigen dot library" in sizing.describe(sizing.plan_from_costs(
+        {"default": {1: 1.0, 5: 9.0, 9: 9.0, 17: 9.0, 33: 9.0, 65: 9.0},
+         "eigen": {1: 2.0, 5: 2.0, 9: 9.5, 17: 9.5, 33: 9.5, 65: 9.5}}))  # fmt: skip
+    assert sizing.best_library(cfg, jnp.float32, 5) == "default"
+    assert sizing.best_library(cfg, jnp.float32, 6) == "eigen"
+    assert sizing.best_library(cfg, jnp.bfloat16, 6) == "default"  # nothing to choose
+    # Timings are remembered: a second lookup times nothing new.
+    assert calls == [sizing.PLAN_ROWS, [6]]  # rows 5 was already timed by the plan
+    table = json.loads((tmp_path / "cache" / "product_costs_v1.json").read_text())
+    assert set(next(iter(table.values()))) == {"default", "eigen"}
+    sizing.best_library(cfg, jnp.float32, 6)
+    sizing.cached_plan(cfg, jnp.float32)
+    assert len(calls) == 2
+
+
+def test_engine_verifies_with_the_chosen_library(monkeypatch, tmp_path):
+    """A tree engine whose verify rows favour Eigen runs the Eigen copy, and greedy
+    output still equals plain decoding."""
+    _fake_costs(monkeypatch, tmp_path, eigen_rows_faster_from=2)
+    target = tiny_pair(tmp_path / "t")
+    used = []
+
+    def spy(library, fn):
+        def run(*a, **k):
+            used.append(library)
+            return fn(*a, **k)
+
+        return run
+
+    for library, fn in workers.VERIFY_STEPS.items():
+        monkeypatch.setitem(workers.VERIFY_STEPS, library, spy(library, fn))
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [11, 12]}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 4,
+            "max_depth": 3, "topk": 2}  # fmt: skip
+    tree = LLM(target, dtype="float32", max_num_seqs=2, speculative_config=spec)
+    got = [o.outputs[0].token_ids for o in tree.generate(prompts, params, use_tqdm=False)]
+    assert used and set(used) == {"eigen"}  # 2 slots x 5 block rows = 10 rows
+    assert tree.engine.target.dot_library(10) == "eigen"
+    used.clear()
+    ar = LLM(target, dtype="float32", max_num_seqs=1)
+    want = [o.outputs[0].token_ids for o in ar.generate(prompts, params, use_tqdm=False)]
+    assert set(used) == {"default"}  # one slot, one row: the default is faster
+    assert got == want
