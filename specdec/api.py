@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import jax
 from tqdm.auto import tqdm
 
+from specdec import sizing
 from specdec.checkpoint import checkpoint_dtype, load_config, load_model
 from specdec.engine import LLMEngine
 from specdec.outputs import RequestOutput, SpecDecodeMetrics
@@ -33,12 +34,33 @@ DTypeName = Literal["auto", "float32", "bfloat16"]
 _counter = itertools.count()
 
 
-def default_dtype(folder: str | os.PathLike | None = None) -> str:
-    """What dtype="auto" means: a bfloat16 checkpoint stays bfloat16; any other
-    (float32, float16, unknown) runs in float32 on CPU and bfloat16 elsewhere."""
-    if folder is not None and checkpoint_dtype(folder) == "bfloat16":
+def default_dtype(folder: str | os.PathLike | None = None, *, rows: int | None = None) -> str:
+    """What dtype="auto" means: bfloat16 off CPU. On CPU, float32 for a checkpoint
+    that is not bfloat16 (float32, float16, unknown); a bfloat16 checkpoint stays
+    bfloat16 unless `rows` is given and float32 weights run the model's products
+    faster at that many rows on this CPU (timed once, `sizing.faster_dtype`: on a
+    CPU without bfloat16 dot instructions a one-row float32 product streams the
+    weights faster than the bfloat16 one converts them). Models too small for
+    their products to matter (`sizing.LIBRARY_MIN_BYTES`) are not timed."""
+    if jax.default_backend() != "cpu":
         return "bfloat16"
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    if folder is None or checkpoint_dtype(folder) != "bfloat16":
+        return "float32"
+    if rows is None:
+        return "bfloat16"
+    cfg = load_config(folder)
+    if sum(a * b for a, b in sizing.weight_shapes(cfg)) * 4 < sizing.LIBRARY_MIN_BYTES:
+        return "bfloat16"
+    return sizing.faster_dtype(cfg, rows)
+
+
+def _verify_rows(spec: SpeculativeConfig | None, max_num_seqs: int) -> int:
+    """Rows one decode step verifies: every slot's root plus its tree (for an
+    "auto"-sized tree, the smallest candidate)."""
+    nodes = 0 if spec is None else spec.num_speculative_tokens
+    if nodes == "auto":
+        nodes = sizing.CANDIDATES[0][0]
+    return max_num_seqs * (1 + nodes)
 
 
 class LLM:
@@ -47,8 +69,9 @@ class LLM:
     Args:
         model: folder with config.json, safetensors weights and (for text prompts)
             tokenizer.json.
-        dtype: weight dtype; "auto" = bfloat16 for a bfloat16 checkpoint, otherwise
-            float32 on CPU and bfloat16 elsewhere.
+        dtype: weight dtype; "auto" = bfloat16 off CPU; on CPU float32, except
+            that a bfloat16 checkpoint stays bfloat16 where bfloat16 products time
+            faster than float32 ones on this CPU (`default_dtype`).
         max_model_len: prompt + output tokens per sequence at most; default
             min(max_position_embeddings, 4096).
         max_num_seqs: sequences decoded together (KV-cache slots).
@@ -93,7 +116,19 @@ class LLM:
         remote = cluster is not None or distributed_executor_backend == "ray"
         self.model_path = folder
         self.generation_defaults = generation_defaults(folder)  # checked before any loading
-        self.dtype = default_dtype(folder) if dtype == "auto" else dtype
+        if isinstance(speculative_config, Mapping):
+            speculative_config = SpeculativeConfig.from_dict(dict(speculative_config))
+        if speculative_config is not None and not isinstance(speculative_config,
+                                                             SpeculativeConfig):  # fmt: skip
+            raise ValueError(
+                "speculative_config must be a SpeculativeConfig, a dict of its fields or "
+                f"None, got {type(speculative_config).__name__}."
+            )
+        if dtype == "auto":  # timed for the rows a step verifies; remote: on another host
+            self.dtype = default_dtype(folder, rows=None if remote else _verify_rows(
+                speculative_config, max_num_seqs))  # fmt: skip
+        else:
+            self.dtype = dtype
         if remote:  # the weights load in the target actor, not here
             self.config, params = load_config(folder), None
         else:
@@ -115,8 +150,6 @@ class LLM:
             if (tok_folder / "tokenizer.json").is_file() or tokenizer is not None
             else None
         )
-        if isinstance(speculative_config, Mapping):
-            speculative_config = SpeculativeConfig.from_dict(dict(speculative_config))
         self.speculative_config = speculative_config
         self.cluster = None  # the Ray actors' handle (`shutdown()`), when remote
         if remote:

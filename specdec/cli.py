@@ -59,7 +59,11 @@ def add_model_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 8) -> No
     )  # fmt: skip
     g.add_argument("--max-depth", type=_positive_int, default=6)
     g.add_argument("--topk", type=_positive_int, default=4, help="children per expanded node")
-    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    g.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+        help="weight dtype; auto = bfloat16 off CPU; on CPU float32, or bfloat16 for a "
+             "bfloat16 checkpoint where this CPU runs it faster (timed once)",
+    )  # fmt: skip
     g.add_argument(
         "--kernel", choices=("auto", "megakernel", "xla"), default="auto",
         help="target verify step; auto = Pallas megakernel on TPU, XLA elsewhere",

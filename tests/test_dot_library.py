@@ -99,7 +99,7 @@ def test_plan_and_best_library_use_the_faster_library(monkeypatch, tmp_path):
     calls = _fake_costs(monkeypatch, tmp_path, eigen_rows_faster_from=6)
     cfg = tiny_config()
     plan = sizing.cached_plan(cfg, jnp.float32)
-    assert plan.library == {4: "default", 8: "eigen", 16: "eigen", 32: "eigen", 64: "eigen"}
+    assert plan.library == {4: "default", 8: "eigen"}  # bigger trees cannot win here
     # cost(N) = best time at N + 1 rows over the best at one row
     assert plan.cost[8] == pytest.approx((1e-3 * 10 - 5e-4) / 2e-3)
     assert "eigen dot library" in sizing.describe(sizing.plan_from_costs(
@@ -109,12 +109,12 @@ def test_plan_and_best_library_use_the_faster_library(monkeypatch, tmp_path):
     assert sizing.best_library(cfg, jnp.float32, 6) == "eigen"
     assert sizing.best_library(cfg, jnp.bfloat16, 6) == "default"  # nothing to choose
     # Timings are remembered: a second lookup times nothing new.
-    assert calls == [sizing.PLAN_ROWS, [6]]  # rows 5 was already timed by the plan
+    assert calls == [[1, 5], [9], [6]]  # rows 5 was already timed by the plan
     table = json.loads((tmp_path / "cache" / "product_costs_v1.json").read_text())
     assert set(next(iter(table.values()))) == {"default", "eigen"}
     sizing.best_library(cfg, jnp.float32, 6)
     sizing.cached_plan(cfg, jnp.float32)
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 def test_engine_verifies_with_the_chosen_library(monkeypatch, tmp_path):
@@ -146,3 +146,68 @@ def test_engine_verifies_with_the_chosen_library(monkeypatch, tmp_path):
     want = [o.outputs[0].token_ids for o in ar.generate(prompts, params, use_tqdm=False)]
     assert set(used) == {"default"}  # one slot, one row: the default is faster
     assert got == want
+
+
+def test_auto_plan_stops_timing_once_no_bigger_tree_can_win(monkeypatch, tmp_path):
+    """Costs that climb fast: 17, 33 and 65 rows are never timed."""
+    timed = []
+
+    def fake(cfg, dtype, rows, **kw):
+        timed.extend(rows)
+        return {"default": {m: {1: 1.0, 5: 1.2, 9: 3.0, 17: 5.0, 33: 9.0, 65: 17.0}[m]
+                            for m in rows}}  # fmt: skip
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(sizing, "product_costs", fake)
+    plan = sizing.cached_plan(tiny_config(), jnp.float32)
+    # N=4 scores 2.5 / 1.2; N=8 costs 3.0 >= 3.8 / (2.5 / 1.2): nothing bigger can win.
+    assert (plan.num_nodes, sorted(plan.cost)) == (4, [4, 8])
+    assert sorted(set(timed)) == [1, 5, 9]
+    full = sizing.plan_from_costs(fake(None, None, sizing.PLAN_ROWS))
+    assert full.num_nodes == plan.num_nodes  # the same pick as timing every candidate
+
+
+def _bf16_config(folder, **sizes):
+    from specdec.checkpoint import config_to_hf
+
+    folder.mkdir()
+    hf = config_to_hf(tiny_config(**sizes), torch_dtype="bfloat16")
+    (folder / "config.json").write_text(json.dumps(hf))
+    return folder
+
+
+@pytest.mark.parametrize("bf16_cost, expected", [(2.0, "float32"), (0.5, "bfloat16")])
+def test_auto_dtype_times_a_bfloat16_checkpoint_on_cpu(monkeypatch, tmp_path, bf16_cost, expected):
+    """dtype="auto" with the rows of a step: the dtype whose products time faster."""
+    from specdec.api import _verify_rows, default_dtype
+    from specdec.params import SpeculativeConfig
+
+    asked = []
+
+    def fake(cfg, dtype, rows, **kw):
+        asked.append((jnp.dtype(dtype).name, list(rows)))
+        scale = bf16_cost if jnp.dtype(dtype) == jnp.bfloat16 else 1.0
+        return {"default": {m: scale * m for m in rows}}
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sizing, "product_costs", fake)
+    big = _bf16_config(tmp_path / "big", hidden_size=1024, intermediate_size=4096, num_heads=8,
+                       num_kv_heads=8, head_dim=128)  # fmt: skip  # ~64 MB in float32
+    assert default_dtype(big) == "bfloat16"  # no rows: the checkpoint's dtype, nothing timed
+    assert asked == []
+    assert default_dtype(big, rows=5) == expected
+    assert sorted(asked) == [("bfloat16", [5]), ("float32", [5])]
+    small = _bf16_config(tmp_path / "small")
+    assert default_dtype(small, rows=5) == "bfloat16"  # too small to time
+    assert _verify_rows(None, 8) == 8
+    assert _verify_rows(SpeculativeConfig(method="draft_model", model="x",
+                                          num_speculative_tokens=6), 2) == 14  # fmt: skip
+    auto = SpeculativeConfig(method="draft_model", model="x", num_speculative_tokens="auto")
+    assert _verify_rows(auto, 1) == 1 + sizing.CANDIDATES[0][0]
+
+
+def test_speculative_config_of_the_wrong_type_is_refused(tmp_path):
+    target = tiny_pair(tmp_path / "t")
+    with pytest.raises(ValueError, match="speculative_config must be a SpeculativeConfig, a "
+                                         "dict of its fields or None, got str"):  # fmt: skip
+        LLM(target, speculative_config="draft_model")
