@@ -78,6 +78,10 @@ class ModelDrafter:
         vocab_limit: int | None = None,
     ):
         self.cfg = cfg
+        if num_nodes <= max_depth:
+            # The greedy chain is always kept first, so N <= depth nodes are its first N:
+            # grow just that chain (the same tree without the wider levels' draft work).
+            topk, max_depth = 1, num_nodes
         self.topk = min(topk, cfg.vocab_size)
         self.max_depth = max_depth
         self.max_nodes = min(num_nodes, num_candidates(self.topk, max_depth))

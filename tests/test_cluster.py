@@ -57,7 +57,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prompts():
     rng = np.random.default_rng(0)
-    return [{"prompt_token_ids": rng.integers(0, 300, n).tolist()} for n in rng.integers(1, 40, 50)]
+    return [{"prompt_token_ids": rng.integers(0, 300, n).tolist()} for n in rng.integers(1, 40, 24)]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from fixtures import tiny_config, tiny_pair, write_model, write_tokenizer
 
-from specdec import LLM
+from specdec import LLM, SamplingParams
 from specdec.draft.ngram import NgramDrafter
 from specdec.sizing import CANDIDATES, plan_tree
 from specdec.verify.batch import SamplingBatch
@@ -97,3 +97,23 @@ def test_plan_tree_picks_a_candidate_with_monotone_costs():
     assert costs == sorted(costs) and costs[0] >= 1.0
     assert plan.score[plan.num_nodes] == max(plan.score.values())
     json.dumps(plan.cost)  # reportable
+
+
+def test_a_tree_no_bigger_than_its_depth_is_grown_as_the_chain(tmp_path):
+    """N <= max_depth nodes are the greedy chain's first N whatever topk: the drafter
+    grows only that chain, and the steps match a topk=1 chain of depth N."""
+    target = tiny_pair(tmp_path / "t")
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(0, 300, n).tolist()} for n in (4, 11)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = []
+    for n, depth, topk in ((3, 5, 3), (3, 3, 1)):
+        spec = {"method": "draft_model", "model": str(target), "num_speculative_tokens": n,
+                "max_depth": depth, "topk": topk}  # fmt: skip
+        llm = LLM(target, max_num_seqs=2, speculative_config=spec)
+        assert (llm.engine.drafter.topk, llm.engine.drafter.max_depth) == (1, 3)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        m = llm.get_metrics()
+        runs.append(([o.outputs[0].token_ids for o in outs], m["num_drafts"],
+                     m["num_accepted_tokens"]))  # fmt: skip
+    assert runs[0] == runs[1]
