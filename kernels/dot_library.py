@@ -6,8 +6,8 @@ GEMM instead. Neither is faster everywhere. On a 2-core AVX2 EPYC (Zen 2, no
 AVX-512), over the demo target's weight products in float32:
 
     rows               1     2     5     6     9    17
-    default (YNNPACK) 3.6   7.7  11.0  12.8  12.5  14.9 ms
-    eigen             4.8   5.8   5.4   5.6   9.2  12.6 ms
+    default (YNNPACK) 3.3   7.7  10.3  12.8  11.8  15.2 ms
+    eigen             3.3   5.8   5.3   5.6   8.5  12.1 ms
 
 and bfloat16 products were 5x slower through Eigen (no bfloat16 GEMM there).
 So a program is compiled for a library only after `sizing` has timed both on

@@ -49,7 +49,7 @@ def default_dtype(folder: str | os.PathLike | None = None, *, rows: int | None =
     if rows is None:
         return "bfloat16"
     cfg = load_config(folder)
-    if sum(a * b for a, b in sizing.weight_shapes(cfg)) * 4 < sizing.LIBRARY_MIN_BYTES:
+    if sizing.weight_bytes(cfg, "float32") < sizing.LIBRARY_MIN_BYTES:
         return "bfloat16"
     return sizing.faster_dtype(cfg, rows)
 

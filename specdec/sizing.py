@@ -199,10 +199,16 @@ def cached_plan(cfg: ModelConfig, dtype=jnp.float32) -> TreePlan:
 LIBRARY_MIN_BYTES = 16 << 20
 
 
+def weight_bytes(cfg: ModelConfig, dtype) -> int:
+    """Bytes of the `weight_shapes` matrices one step streams, in `dtype`."""
+    return sum(a * b for a, b in weight_shapes(cfg)) * jnp.dtype(dtype).itemsize
+
+
 def libraries(cfg: ModelConfig, dtype) -> tuple[str, ...]:
     """The dot libraries worth timing for this model (`dot_library.candidates`)."""
-    size = sum(a * b for a, b in weight_shapes(cfg)) * jnp.dtype(dtype).itemsize
-    return dot_library.candidates(dtype) if size >= LIBRARY_MIN_BYTES else ("default",)
+    if weight_bytes(cfg, dtype) < LIBRARY_MIN_BYTES:
+        return ("default",)
+    return dot_library.candidates(dtype)
 
 
 def faster_dtype(cfg: ModelConfig, rows: int, dtypes=("bfloat16", "float32")) -> str:
@@ -233,5 +239,5 @@ def describe(plan: TreePlan) -> str:
 __all__ = [
     "CANDIDATES", "LIBRARY_MIN_BYTES", "TreePlan", "best_library", "cached_costs", "cached_plan",
     "describe", "faster_dtype", "libraries", "plan_from_costs", "plan_tree", "product_costs",
-    "weight_shapes",
+    "weight_bytes", "weight_shapes",
 ]  # fmt: skip
