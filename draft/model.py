@@ -10,7 +10,7 @@ Each `propose` is one jitted call per batch:
    d = 1 .. max_depth - 1, the k candidates with the highest cumulative
    log-probability (product of draft probabilities along the path) are run
    through the draft as one block of k tokens, each seeing the committed
-   prefix, its own ancestors (earlier levels, already in the cache) and itself;
+   prefix, its own ancestors (earlier levels, in the side buffer) and itself;
    their top-k tokens become the level d + 1 candidates.
 3. **Rerank.** The `num_speculative_tokens` candidates with the highest
    cumulative log-probability form the tree. A child never scores above its
@@ -24,12 +24,16 @@ tree never accepts less than the `topk=1` chain of the same depth would, and
 the other `num_speculative_tokens - max_depth` nodes widen it where the draft
 is unsure.
 
-Cache layout of one slot during a step (c = cached tokens before the step,
-P = pending tokens): positions [c, c + P) hold the pending tokens (the root at
-c + P - 1), then level d's k expanded nodes sit at
-`c + P + (d - 1) * k + j`. `commit` keeps the root, moves the accepted nodes
-that were expanded (an ancestor-closed prefix of the accepted path) next to
-it, and leaves the rest of the path pending for the next catch-up.
+K/V layout. During a step the draft cache is only read: it holds each slot's
+c committed tokens. The step's own K/V (P pending tokens, the root last, then
+level d's k expanded nodes at region offset (d - 1) * k + j) go to a small
+side buffer (`transformer.SideKV`: side position i < P for pending token i,
+P + o for region offset o). `commit` writes back the pending tokens and the
+accepted nodes that were expanded (an ancestor-closed prefix of the accepted
+path) at positions c, c + 1, ..., and leaves the rest of the path pending for
+the next catch-up. That write runs at the start of the next `_grow`, before
+any read: writing the cache between levels of one program made XLA on CPU
+copy the whole cache at each write (8 copies per 4-level propose).
 
 Children are the deterministic top-k of q, so the target applies the
 draw-and-match rule (`ChildSampling.DETERMINISTIC_TOPK`).
@@ -98,23 +102,28 @@ class ModelDrafter:
         self.pending: list[list[int]] = [[] for _ in range(num_slots)]
         self._expanded = np.full((num_slots, self.max_nodes), -1, np.int32)
         self._root_pos = np.zeros(num_slots, np.int32)
-        self._deferred = self._no_commit()  # the last commit's K/V moves, not yet applied
+        self._pend_len = np.ones(num_slots, np.int32)
+        # The last tree's side K/V (pending tokens, then expanded nodes; see `_grow`).
+        side = self.pending_len + max(self.max_depth - 1, 1) * self.topk
+        shape = (cfg.num_layers, num_slots, side, cfg.num_kv_heads, cfg.head_dim)
+        self._side = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+        self._deferred = self._no_commit()  # the last commit's K/V writes, not yet applied
 
-    def _no_commit(self) -> tuple[np.ndarray, ...]:
-        """K/V moves that move nothing: (slots -1, bases, src, kept) for `commit_kv`."""
+    def _no_commit(self) -> tuple:
+        """`write_kv` arguments (after the cache) that write nothing (every slot -1)."""
         s_count = self.runner.num_slots
         return (
+            *self._side,
             np.full(s_count, -1, np.int32),
             np.zeros(s_count, np.int32),
-            np.zeros((s_count, self.max_depth), np.int32),
-            np.zeros(s_count, np.int32),
+            np.zeros((s_count, self.pending_len + self.max_depth), np.int32),
         )
 
     def _flush(self) -> None:
         """Applies the deferred commit now (before any call but `_grow`, which fuses it)."""
-        if (self._deferred[0] >= 0).any():
+        if (self._deferred[2] >= 0).any():
             r = self.runner
-            r.cache = transformer.commit_kv(r.cache, *self._deferred)
+            r.cache = transformer.write_kv(r.cache, *self._deferred)
             self._deferred = self._no_commit()
 
     def start(self, slots, prompts, roots) -> None:
@@ -150,9 +159,9 @@ class ModelDrafter:
             w = min(v, np.shape(sampling.seen)[1])
             seen[:, :w] = np.asarray(sampling.seen)[:, :w]
             penalty = np.asarray(sampling.repetition_penalty, np.float32)
-        # The last commit's K/V moves run inside this same call: one dispatch per step.
+        # The last commit's K/V writes run inside this same call: one dispatch per step.
         deferred, self._deferred = self._deferred, self._no_commit()
-        tokens, parents, expanded, r.cache = _grow(
+        tokens, parents, expanded, side_k, side_v, r.cache = _grow(
             r.params,
             r.cache,
             deferred,
@@ -172,6 +181,8 @@ class ModelDrafter:
         # Left on the device: the verify is dispatched while this tree is still growing
         # (`commit` reads `expanded` after the verdict, when it is long done).
         self._expanded = expanded
+        self._side = (side_k, side_v)
+        self._pend_len = pend_len
         self._root_pos = r.cache_lens + pend_len - 1
         return DraftBatch(tokens, parents, None, self.child_sampling)
 
@@ -183,22 +194,27 @@ class ModelDrafter:
     def commit(self, active, accepted_nodes, num_accepted, emitted) -> None:
         r = self.runner
         s_count = r.num_slots
-        src = np.zeros((s_count, self.max_depth), np.int32)
-        kept = np.zeros(s_count, np.int32)
+        p = self.pending_len
+        # Side entries to write at the row's first pending position, in order: the
+        # pending tokens (root last), then the accepted nodes that were expanded.
+        keep = np.zeros((s_count, p + self.max_depth), np.int32)
+        starts = self._root_pos + 1 - self._pend_len
         expanded = self._host_expanded()
         for s in np.flatnonzero(active):
             path = accepted_nodes[s, : num_accepted[s]]
             m = 0
             while m < len(path) and expanded[s, path[m]] >= 0:
-                src[s, m] = expanded[s, path[m]]
                 m += 1
-            kept[s] = m
+            n = self._pend_len[s]
+            row = [*range(n), *(p - 1 + expanded[s, path[:m]])]
+            keep[s, : len(row)] = row
+            keep[s, len(row) :] = row[-1]  # past the new length: overwritten later
             r.cache_lens[s] = self._root_pos[s] + 1 + m
             self.pending[s] = [int(t) for t in emitted[s, m : num_accepted[s] + 1]]
         slots = np.where(active, np.arange(s_count), -1).astype(np.int32)
         self._flush()  # a commit not yet applied (only after two commits in a row)
         # Applied by the next `_grow` (or `_flush`): no dispatch of its own.
-        self._deferred = (slots, self._root_pos.copy(), src, kept)
+        self._deferred = (*self._side, slots, starts.astype(np.int32), keep)
 
     # ------------------------------------------------------------------ overlap hooks
     # Used by the distributed draft worker (cluster/actors.py) to grow tree t + 1
@@ -221,6 +237,7 @@ class ModelDrafter:
         for s in np.flatnonzero(rows):
             rows[s] = expanded[s, chain[s, length[s] - 1]] < 0
         before_expanded, before_root_pos = expanded.copy(), self._root_pos.copy()
+        before_pend_len, before_side = self._pend_len.copy(), self._side
         emitted = np.zeros((s_count, self.max_nodes + 1), np.int32)
         for s in np.flatnonzero(rows):
             emitted[s, : length[s]] = tree.tokens[s, chain[s, : length[s]]]
@@ -239,10 +256,14 @@ class ModelDrafter:
             tree=next_tree,
             expanded=np.array(self._expanded),
             root_pos_next=self._root_pos.copy(),
+            pend_len_next=self._pend_len.copy(),
+            side=self._side,
         )
         # Rows not guessed keep the state of `tree` for their real commit.
         self._expanded = np.where(rows[:, None], self._expanded, before_expanded)
         self._root_pos = np.where(rows, self._root_pos, before_root_pos)
+        self._pend_len = np.where(rows, self._pend_len, before_pend_len)
+        self._side = _rows_from(rows, self._side, before_side)
         return spec
 
     def resolve(self, spec: Speculation, active, accepted_nodes, num_accepted, emitted):
@@ -281,6 +302,8 @@ class ModelDrafter:
             batch.parents[reuse] = spec.tree.parents[reuse]
             self._expanded = np.where(reuse[:, None], spec.expanded, self._expanded)
             self._root_pos = np.where(reuse, spec.root_pos_next, self._root_pos)
+            self._pend_len = np.where(reuse, spec.pend_len_next, self._pend_len)
+            self._side = _rows_from(reuse, spec.side, self._side)
         return batch
 
     def _peek(self, rows: np.ndarray) -> np.ndarray:
@@ -319,6 +342,14 @@ class Speculation:
     tree: DraftBatch | None  # the next tree, grown as if the guess were committed
     expanded: np.ndarray  # i32[S, N] the next tree's expanded offsets (see `_grow`)
     root_pos_next: np.ndarray  # i32[S] the next tree's root position
+    pend_len_next: np.ndarray  # i32[S] pending tokens the next tree's catch-up ran
+    side: tuple  # the next tree's side K/V (two f32[L, S, P + R, K, hd])
+
+
+def _rows_from(rows: np.ndarray, a: tuple, b: tuple) -> tuple:
+    """Side K/V pairs: slot rows where `rows` is set from `a`, the others from `b`."""
+    pick = jnp.asarray(rows)[None, :, None, None, None]
+    return tuple(jnp.where(pick, x, y) for x, y in zip(a, b, strict=True))
 
 
 def greedy_chain(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -351,14 +382,18 @@ def greedy_chain(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 )
 def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, penalty, *, cfg,
           topk, max_depth, num_nodes, vocab_limit, kv_len):  # fmt: skip
-    """The last commit's K/V moves (`deferred`, the `commit_kv` arguments after the
+    """The last commit's K/V writes (`deferred`, the `write_kv` arguments after the
     cache), then catch-up + expansion + rerank (module docstring).
 
+    After that write the cache is only read: the pending tokens' and the tree
+    levels' K/V go to a side buffer (`transformer.SideKV`, side positions
+    [0, P) pending, P + o region offset o), which `commit` writes back.
+
     Returns tokens i32[B, N], parents i32[B, N] (-1 = child of root), expanded
-    i32[B, N] (the node's K/V offset from the root position, -1 if never run)
-    and the cache.
+    i32[B, N] (the node's K/V offset from the root position, -1 if never run),
+    the side K/V [L, B, P + R, K, hd] (two arrays) and the cache.
     """
-    cache = transformer.commit_kv(cache, *deferred)
+    cache = transformer.write_kv(cache, *deferred)
     b, p = pend.shape
     k = topk
     w = k * k  # candidate slots per level; level 1 uses its first k (the rest stay -inf)
@@ -378,20 +413,24 @@ def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, pena
         return jnp.where(is_chain, jnp.inf, score)
 
     positions = cache_lens[:, None] + jnp.arange(p, dtype=jnp.int32)[None]
-    mask = transformer.causal_block_mask(pend_len, p)
-    logits, cache = transformer.forward_block(
-        params,
-        cache,
-        pend,
-        positions,
-        mask,
-        slots,
-        cache_lens,
-        pend_len - 1,
-        cfg=cfg,
-        kv_len=kv_len,
-    )
     root_pos = cache_lens + pend_len - 1
+    # Side positions: pending tokens, then level d's nodes at the root's position + d.
+    level_of = 1 + jnp.arange(region, dtype=jnp.int32) // k
+    side_pos = jnp.concatenate([positions, root_pos[:, None] + level_of[None]], axis=1)
+    side = transformer.SideKV.zeros(cfg, b, p + region)
+    side = dataclasses.replace(side, positions=side_pos)
+    pend_seen = jnp.arange(p)[None, :] < pend_len[:, None]  # [B, P] valid pending tokens
+    pend_mask = transformer.causal_block_mask(pend_len, p)  # [B, P, P]
+    pend_mask = jnp.concatenate([pend_mask, jnp.zeros((b, p, region), bool)], axis=2)
+
+    def run(tokens, tok_positions, mask, at, side, logit_index=None):
+        logits, ks, vs = transformer.block_logits_kv(
+            params, cache, tokens, tok_positions, mask, slots, cache_lens, logit_index,
+            cfg=cfg, kv_len=kv_len, side=dataclasses.replace(side, at=at),
+        )  # fmt: skip
+        return logits, dataclasses.replace(side, k=ks, v=vs)
+
+    logits, side = run(pend, positions, pend_mask, 0, side, pend_len - 1)
     lp, tok = top_children(logits[:, 0])  # [B, k]
 
     cand = dict(
@@ -405,14 +444,11 @@ def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, pena
         chain=jnp.zeros((b, c_total), bool).at[:, 0].set(True),
     )
     chain = jnp.zeros((b,), jnp.int32)  # candidate index of the chain node at this level
-    t = jnp.arange(kv_len)
     rows = jnp.arange(b)[:, None]
-    region_pos = root_pos[:, None] + 1 + jnp.arange(region)[None]  # [B, R]
-    sees = region_pos[:, None, :, None] == t[None, None, None, :]  # [B, 1, R, T]
 
     def level(d, carry):
         """Expand the best k candidates of level d into level d + 1 (d = 1 .. D - 1)."""
-        cand, chain, cache = carry
+        cand, chain, side = carry
         start = (d - 1) * w
         score = jax.lax.dynamic_slice_in_dim(cand["score"], start, w, axis=1)
         is_chain = jax.lax.dynamic_slice_in_dim(cand["chain"], start, w, axis=1)
@@ -420,24 +456,12 @@ def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, pena
         sel = start + sel  # [B, k] candidates expanded at this level
         offs = (d - 1) * k + jnp.arange(k, dtype=jnp.int32)  # their region offsets
         anc = cand["anc"][rows, sel]  # [B, k, R]
-        cache_mask = (t[None, None, :] <= root_pos[:, None, None]) | jnp.any(
-            anc[:, :, :, None] & sees, axis=2
-        )
-        logits, cache = transformer.forward_block(
-            params,
-            cache,
-            cand["tok"][rows, sel],
-            jnp.broadcast_to(root_pos[:, None] + d, (b, k)),
-            jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k)),
-            slots,
-            root_pos + 1 + (d - 1) * k,
-            cache_mask=cache_mask,
-            cfg=cfg,
-            kv_len=kv_len,
-        )
+        child_anc = anc | jax.nn.one_hot(offs, region, dtype=bool)[None]  # + itself
+        mask = jnp.concatenate([jnp.broadcast_to(pend_seen[:, None], (b, k, p)), child_anc], 2)
+        logits, side = run(cand["tok"][rows, sel], jnp.broadcast_to(root_pos[:, None] + d, (b, k)),
+                           mask, p + (d - 1) * k, side)  # fmt: skip
         clp, ctok = top_children(logits)  # [B, k, k]
         parent_score = jnp.take_along_axis(cand["score"], sel, axis=1)
-        child_anc = anc | jax.nn.one_hot(offs, region, dtype=bool)[None]
         new = d * w
         put = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, new, axis=1)  # noqa: E731
         chain = new + k * jnp.argmax(sel == chain[:, None], axis=1)  # its top-1 child
@@ -449,15 +473,15 @@ def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, pena
             anc=put(cand["anc"], jnp.repeat(child_anc, k, axis=1)),
             chain=cand["chain"].at[rows[:, 0], chain].set(True),
         )
-        return cand, chain, cache
+        return cand, chain, side
 
     # Unrolled (max_depth is static): on XLA CPU a while loop copies its carried
     # cache on entry and per iteration; unrolled, a 6-level propose of the demo
     # draft ran in 3.8 ms instead of 4.5 ms (trace span of one call).
-    carry = (cand, chain, cache)
+    carry = (cand, chain, side)
     for d in range(1, max_depth):
         carry = level(d, carry)
-    cand, chain, cache = carry
+    cand, chain, side = carry
     cand_score, cand_chain, cand_tok = cand["score"], cand["chain"], cand["tok"]
     cand_par, cand_exp = cand["par"], cand["exp"]
     _, chosen = jax.lax.top_k(priority(cand_score, cand_chain), num_nodes)
@@ -468,7 +492,7 @@ def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, pena
     parents = jnp.where(slots[:, None] >= 0, parents, PAD_PARENT)  # inactive rows: no tree
     tokens = jnp.take_along_axis(cand_tok, chosen, axis=1)
     expanded = jnp.take_along_axis(cand_exp, chosen, axis=1)
-    return tokens, parents, expanded, cache
+    return tokens, parents, expanded, side.k, side.v, cache
 
 
 @functools.partial(

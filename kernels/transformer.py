@@ -224,12 +224,12 @@ def _mlp(cfg: ModelConfig, lp: dict, h: jax.Array) -> jax.Array:
 def _attention(
     cfg: ModelConfig,
     q: jax.Array,  # f32[B, N, H, hd], RoPE applied
-    k: jax.Array,  # f32[B, N, K, hd], RoPE applied
-    v: jax.Array,  # f32[B, N, K, hd]
+    k: jax.Array,  # f32[B, M, K, hd], RoPE applied: the block's keys (M = N, or a side buffer)
+    v: jax.Array,  # f32[B, M, K, hd]
     k_cache: jax.Array | None,  # [B, K, T, hd] committed keys of each sequence
     v_cache: jax.Array | None,  # [B, K, T, hd]
     cache_mask: jax.Array | None,  # bool[B, N, T]
-    block_mask: jax.Array,  # bool[B, N, N]
+    block_mask: jax.Array,  # bool[B, N, M]
 ) -> jax.Array:  # f32[B, N, H * hd]
     b, n, h, hd = q.shape
     kh = cfg.num_kv_heads
@@ -267,10 +267,10 @@ def _attention_per_kv_head(q, k, v, k_cache, v_cache, cache_mask, block_mask):
     [G * N, hd] x [hd, T] matmul per row.
     """
     b, n, kh, g, hd = q.shape
-    t = k_cache.shape[2]
+    t, m = k_cache.shape[2], k.shape[1]
     qh = q.transpose(0, 2, 3, 1, 4).reshape(b, kh, g * n, hd)
     cmask = jnp.broadcast_to(cache_mask[:, None], (b, g, n, t)).reshape(b, g * n, t)
-    bmask = jnp.broadcast_to(block_mask[:, None], (b, g, n, n)).reshape(b, g * n, n)
+    bmask = jnp.broadcast_to(block_mask[:, None], (b, g, n, m)).reshape(b, g * n, m)
     outs = []
     for j in range(kh):
         s_c = jnp.einsum("bmd,btd->bmt", qh[:, j], k_cache[:, j].astype(jnp.float32))
@@ -287,8 +287,13 @@ def _attention_per_kv_head(q, k, v, k_cache, v_cache, cache_mask, block_mask):
     return out.transpose(0, 3, 1, 2, 4).reshape(b, n, kh * g * hd)
 
 
-def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_cache):
-    """One decoder layer. Returns the new residual and this block's (k, v)."""
+def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_cache, side=None):
+    """One decoder layer. Returns the new residual and this block's (k, v).
+
+    With `side` = (k_side, v_side [B, S, K, hd], at): the block's K/V are put at
+    side positions [at, at + N) and attention reads the whole side buffer
+    (`block_mask` is then bool[B, N, S]); the updated buffers are returned.
+    """
     b, n, _ = x.shape
     hd = cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
@@ -303,6 +308,10 @@ def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_c
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
+    if side is not None:
+        k_side, v_side, at = side
+        k = jax.lax.dynamic_update_slice_in_dim(k_side, k.astype(k_side.dtype), at, axis=1)
+        v = jax.lax.dynamic_update_slice_in_dim(v_side, v.astype(v_side.dtype), at, axis=1)
     attn = _attention(cfg, q, k, v, k_cache, v_cache, cache_mask, block_mask)
     x = x + matmul(attn, lp["wo"])
     x = x + _mlp(cfg, lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
@@ -322,18 +331,21 @@ def lm_head(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
 
 def _hidden_block(
     cfg, params, tokens, positions, block_mask, cache, slots, cache_lens, cache_mask=None,
-    kv_len=None,
+    kv_len=None, side=None,
 ):  # fmt: skip
     """Runs all layers; returns final residual f32[B, N, D] and new K/V [L, B, N, K, hd].
 
     Only the first `kv_len` cache positions are read (default: all of them).
+    `side` (see `block_logits_kv`) replaces the block's own keys by a side buffer.
     """
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][tokens].astype(jnp.float32)
+    key_positions = positions if side is None else side.positions
     if cfg.sliding_window is not None:
         w = cfg.sliding_window
-        block_mask = block_mask & (positions[:, :, None] - positions[:, None, :] < w)
+        block_mask = block_mask & (positions[:, :, None] - key_positions[:, None, :] < w)
     if cache is None:
+        assert side is None, "a side buffer needs a cache"
 
         def body(x, lp):
             x, k, v = _layer(cfg, inv_freq, positions, None, block_mask, x, lp, None, None)
@@ -356,16 +368,21 @@ def _hidden_block(
     safe_slots = jnp.clip(slots, 0, cache.num_slots - 1)
 
     def body(x, layer):
-        lp, i = layer  # i: this layer's index into the cache (traced under scan)
+        lp, i, sk, sv = layer  # i: this layer's index into the cache (traced under scan)
         kc, vc = (jnp.where(keep, _cache_rows(a, i, safe_slots, kv_len), 0)
                   for a in (cache.k, cache.v))  # fmt: skip
-        x, k, v = _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, kc, vc)
+        side_l = None if side is None else (sk, sv, side.at)
+        x, k, v = _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, kc, vc, side_l)
         return x, (k, v)
 
     layers = params["layers"]
+    n_layers = cache.k.shape[0]
+    sk, sv = (None, None) if side is None else (side.k, side.v)
     if isinstance(layers, (tuple, list)):
-        return _over_layers(body, x, [(lp, i) for i, lp in enumerate(layers)])
-    return _over_layers(body, x, (layers, jnp.arange(cache.k.shape[0])))
+        return _over_layers(body, x, [(lp, i, None if sk is None else sk[i],
+                                       None if sv is None else sv[i])
+                                      for i, lp in enumerate(layers)])  # fmt: skip
+    return _over_layers(body, x, (layers, jnp.arange(n_layers), sk, sv))
 
 
 def _cache_rows(arr: jax.Array, layer, slots: jax.Array, kv_len: int) -> jax.Array:
@@ -493,12 +510,36 @@ def forward_block(
     return logits, _write_block(cache, ks, vs, slots, cache_lens)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SideKV:
+    """Uncommitted K/V kept beside the cache: what a block attends to besides the cache.
+
+    A drafter growing a tree level by level keeps its pending tokens' and tree
+    nodes' K/V here instead of writing them into the cache between levels (XLA
+    on CPU copies the whole cache for every such write in a program that also
+    reads it). A block at side offset `at` puts its own K/V at [at, at + N) and
+    attends to side positions by its mask (bool[B, N, S]).
+    """
+
+    k: jax.Array  # f32[L, B, S, K, hd]
+    v: jax.Array  # f32[L, B, S, K, hd]
+    positions: jax.Array  # i32[B, S] RoPE position of each side entry (sliding windows)
+    at: int = dataclasses.field(metadata=dict(static=True), default=0)
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, b: int, s: int) -> SideKV:
+        shape = (cfg.num_layers, b, s, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
+                   jnp.zeros((b, s), jnp.int32))  # fmt: skip
+
+
 def block_logits_kv(
     params: Params,
     cache: KVCache,
     tokens: jax.Array,  # i32[B, N]
     positions: jax.Array,  # i32[B, N]
-    block_mask: jax.Array,  # bool[B, N, N]
+    block_mask: jax.Array,  # bool[B, N, N], or bool[B, N, S] with `side`
     slots: jax.Array,  # i32[B]
     cache_lens: jax.Array,  # i32[B]
     logit_index: jax.Array | None = None,  # i32[B]
@@ -506,16 +547,20 @@ def block_logits_kv(
     *,
     cfg: ModelConfig,
     kv_len: int | None = None,
+    side: SideKV | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`forward_block` without the cache write: (logits, k, v), K/V [L, B, N, K, hd].
 
     The cache is only read, so a caller can write just what it keeps, in its own
     donated call (`write_kv`): XLA on CPU copies the whole cache when one program
     both reads it and updates it in place (2.5x slower decode on a 160M model).
+    With `side`, the block's K/V go into the side buffer at `side.at` and the
+    returned K/V are the whole updated buffers [L, B, S, K, hd].
     """
     x, ks, vs = _hidden_block(
-        cfg, params, tokens, positions, block_mask, cache, slots, cache_lens, cache_mask, kv_len
-    )
+        cfg, params, tokens, positions, block_mask, cache, slots, cache_lens, cache_mask, kv_len,
+        side,
+    )  # fmt: skip
     if logit_index is not None:
         x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)
     return lm_head(cfg, params, x), ks, vs

@@ -117,3 +117,47 @@ def test_a_tree_no_bigger_than_its_depth_is_grown_as_the_chain(tmp_path):
         runs.append(([o.outputs[0].token_ids for o in outs], m["num_drafts"],
                      m["num_accepted_tokens"]))  # fmt: skip
     assert runs[0] == runs[1]
+
+
+def test_draft_cache_after_steps_equals_a_fresh_prefill(tmp_path):
+    """A drafter keeps its step's K/V (pending tokens, tree levels) in a side buffer and
+    writes back what the verdict keeps. After steps with partial acceptance, its
+    committed cache must equal a prefill of the same tokens."""
+    import jax
+
+    from specdec.checkpoint import save_checkpoint
+    from specdec.kernels.kv_cache import ModelRunner
+    from specdec.kernels.transformer import init_params
+
+    target = tiny_pair(tmp_path / "t")  # seed 0, embeddings x30
+    cfg = tiny_config(write_tokenizer(tmp_path / "d"))
+    params = init_params(cfg, jax.random.key(0))
+    params["embed"] = params["embed"] * 30.0
+    rng = np.random.default_rng(1)
+    noisy = jax.tree.map(
+        lambda a: np.asarray(a) + 0.4 * float(np.std(a)) * rng.standard_normal(a.shape), params
+    )  # a draft that agrees with the target often, not always
+    save_checkpoint(tmp_path / "d", cfg, noisy, dtype="float32")
+    spec = {"method": "draft_model", "model": str(tmp_path / "d"), "num_speculative_tokens": 7,
+            "max_depth": 4, "topk": 2}  # fmt: skip
+    llm = LLM(target, max_model_len=96, max_num_seqs=2, speculative_config=spec)
+    engine, drafter = llm.engine, llm.engine.drafter
+    params_ = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, n in enumerate((5, 11)):
+        engine.add_request(f"r{i}", None, rng.integers(0, 300, n).tolist(), params_)
+    fresh = ModelRunner(cfg, jax.tree.map(np.asarray, noisy), num_slots=1, max_len=96)
+    for _ in range(8):
+        engine.step()
+        drafter._flush()  # the write-back otherwise waits for the next `_grow`
+        for seq in engine.running:
+            c = int(drafter.runner.cache_lens[seq.slot])
+            tokens = [*seq.prompt_token_ids, *seq.output_ids][:c]
+            fresh.prefill([0], [tokens])
+            for got, want in ((drafter.runner.cache.k, fresh.cache.k),
+                              (drafter.runner.cache.v, fresh.cache.v)):  # fmt: skip
+                np.testing.assert_allclose(
+                    np.asarray(got[:, seq.slot, :, :c]), np.asarray(want[:, 0, :, :c]),
+                    rtol=1e-4, atol=1e-4,
+                )  # fmt: skip
+    rates = llm.get_metrics()["per_position_acceptance_rate"]
+    assert 0 < rates[-1] and rates[0] < 1  # some steps accepted deep, some rejected early

@@ -196,14 +196,17 @@ def test_prefill_chunk_lengths():
     from specdec.kernels.kv_cache import chunk_len
 
     assert [chunk_len(n, 512) for n in (1, 3, 5, 100, 128)] == [1, 4, 8, 128, 128]
-    assert [chunk_len(n, 512) for n in (129, 256, 257, 300, 384, 385, 512)] == [
-        256, 256, 384, 384, 384, 512, 512,
+    assert [chunk_len(n, 512) for n in (129, 144, 145, 256, 257, 300, 449, 481, 512)] == [
+        144, 144, 160, 256, 288, 320, 480, 512, 512,
     ]  # fmt: skip
     assert chunk_len(900, 512) == 512 and chunk_len(100, 64) == 64
+    for n in range(129, 2049):  # at most 12.5% padding, whole 16-row tiles
+        c = chunk_len(n, 4096)
+        assert n <= c <= n * 1.125 and c % 16 == 0, n
 
 
 def test_prefill_with_a_non_power_of_two_chunk_matches_the_plain_forward():
-    """Prompts of 300 and 130 tokens prefill as one 384-token chunk (`chunk_len`)."""
+    """Prompts of 300 and 130 tokens prefill as one 320-token chunk (`chunk_len`)."""
     import dataclasses
 
     from specdec.kernels.kv_cache import ModelRunner
