@@ -98,6 +98,9 @@ class ModelDrafter:
             params,
             num_slots=num_slots,
             max_len=max_model_len + self.pending_len + self.region + 1,
+            # A draft's products are small: their count, not their bytes, sets its
+            # speed (the draft is never sharded, see cluster/actors.py).
+            fuse=True,
         )
         self.pending: list[list[int]] = [[] for _ in range(num_slots)]
         self._expanded = np.full((num_slots, self.max_nodes), -1, np.int32)

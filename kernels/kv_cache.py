@@ -37,12 +37,15 @@ class ModelRunner:
         max_len: int,  # cache positions per slot (committed tokens + one verify block)
         prefill_chunk: int = 512,
         stacked: bool = False,  # keep [L, ...] layer weights (what the megakernel streams)
+        fuse: bool = False,  # one product for q|k|v and one for gate|up (`fuse_projections`)
     ):
         self.cfg = cfg
         # Per-layer arrays: XLA on CPU streams them 3.4x faster than scanned slices.
         self.params = params if stacked else transformer.unstack_layers(params)
         if not stacked and jax.default_backend() == "cpu":
             self.params = transformer.untie_head(self.params)
+        if fuse and not stacked:
+            self.params = transformer.fuse_projections(self.params)
         self.num_slots = num_slots
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk

@@ -248,3 +248,35 @@ def test_multi_chunk_prefill_reads_only_earlier_chunks_and_matches_the_plain_for
         np.testing.assert_allclose(got[i], np.asarray(want[-2]), atol=2e-5, rtol=0)
         decoded = np.asarray(logits[i, 0])
         np.testing.assert_allclose(decoded, np.asarray(want[-1]), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        CONFIGS["llama_gqa"],
+        CONFIGS["qwen3_kv1"],
+        CONFIGS["mistral_window"],
+        ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2,
+                    num_heads=2, num_kv_heads=1, head_dim=8, architecture=Architecture.QWEN2,
+                    attention_bias=True),
+        ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1,
+                    num_heads=2, num_kv_heads=2, head_dim=8, architecture=Architecture.QWEN3_MOE,
+                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
+    ],
+    ids=["llama_gqa", "qwen3_kv1", "mistral_window", "qwen2_bias", "qwen3_moe"],
+)  # fmt: skip
+def test_fused_projections_give_the_same_logits(cfg):
+    params = T.unstack_layers(T.init_params(cfg, jax.random.key(3)))
+    fused = T.fuse_projections(params)
+    lp = fused["layers"][0]
+    assert "wqkv" in lp and not {"wq", "wk", "wv"} & set(lp)
+    assert ("w_gate_up" in lp) == (not cfg.is_moe) and "w_gate" not in lp
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+    lengths = jnp.asarray([9, 6], jnp.int32)
+    np.testing.assert_allclose(
+        T.prefill_logits(fused, cfg, tokens, lengths),
+        T.prefill_logits(params, cfg, tokens, lengths), rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="per-layer params"):
+        T.fuse_projections(T.init_params(cfg, jax.random.key(3)))
