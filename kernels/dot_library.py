@@ -14,13 +14,19 @@ So a program is compiled for a library only after `sizing` has timed both on
 this machine, per dtype and row count; the choice is a compile option, so
 each library is its own jitted copy of the same function (`jit_each`).
 
-Eigen reads a transposed weight operand slowly (a tied LM head as
-`x @ embed.T`: 4.1 ms against 0.3 ms for a [D, V] copy), hence
-`transformer.untie_head` for the CPU layout.
+Eigen reads a transposed operand slowly (a tied LM head as `x @ embed.T`:
+4.1 ms against 0.3 ms for a [D, V] copy), hence `transformer.untie_head` for
+the CPU layout, and attention scores against keys copied out transposed when a
+program is traced for Eigen (`tracing_for`): the demo target's 6-row verify
+took 10.7 ms with q @ K.T and 9.95 ms with q @ (K.T copied); YNNPACK's one-row
+decode was 0.3 ms slower the second way, so it keeps q @ K.T.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 from collections.abc import Callable
 
 import jax
@@ -44,9 +50,36 @@ def candidates(dtype) -> tuple[str, ...]:
     return tuple(LIBRARIES)
 
 
+_TRACING = contextvars.ContextVar("dot_library", default="default")
+
+
+def tracing_for() -> str:
+    """The library the program being traced is compiled for ("default" outside `jit_each`)."""
+    return _TRACING.get()
+
+
+@contextlib.contextmanager
+def _tracing(name: str):
+    token = _TRACING.set(name)
+    try:
+        yield
+    finally:
+        _TRACING.reset(token)
+
+
 def jit_each(fun: Callable, **jit_kwargs) -> dict[str, Callable]:
-    """`fun` jitted once per library (same static and donated arguments)."""
+    """`fun` jitted once per library (same static and donated arguments); while a
+    copy is traced, `tracing_for()` names its library."""
+
+    def bound(name: str) -> Callable:
+        @functools.wraps(fun)
+        def traced(*args, **kwargs):
+            with _tracing(name):
+                return fun(*args, **kwargs)
+
+        return traced
+
     return {
-        name: jax.jit(fun, compiler_options=options, **jit_kwargs)
+        name: jax.jit(bound(name), compiler_options=options, **jit_kwargs)
         for name, options in LIBRARIES.items()
     }

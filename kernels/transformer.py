@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec.kernels import dot_library
 from specdec.kernels.config import ModelConfig
 
 Params = dict
@@ -234,12 +235,13 @@ def _attention(
     v_cache: jax.Array | None,  # [B, K, T, hd]
     cache_mask: jax.Array | None,  # bool[B, N, T]
     block_mask: jax.Array,  # bool[B, N, M]
+    keys_t: bool = False,  # k_cache given as [B, K, hd, T] (`_keys_transposed`)
 ) -> jax.Array:  # f32[B, N, H * hd]
     b, n, h, hd = q.shape
     kh = cfg.num_kv_heads
     q = q.reshape(b, n, kh, h // kh, hd) * (1.0 / math.sqrt(hd))
-    if k_cache is not None and jax.default_backend() == "cpu" and kh <= _PER_HEAD_MAX:
-        return _attention_per_kv_head(q, k, v, k_cache, v_cache, cache_mask, block_mask)
+    if keys_t or (k_cache is not None and jax.default_backend() == "cpu" and kh <= _PER_HEAD_MAX):
+        return _attention_per_kv_head(q, k, v, k_cache, v_cache, cache_mask, block_mask, keys_t)
     s_block = jnp.einsum("bnkgd,bmkd->bkgnm", q, k)
     s_block = jnp.where(block_mask[:, None, None], s_block, _NEG)
     if k_cache is None:
@@ -262,22 +264,33 @@ def _attention(
 _PER_HEAD_MAX = 8
 
 
-def _attention_per_kv_head(q, k, v, k_cache, v_cache, cache_mask, block_mask):
+def _keys_transposed(cfg: ModelConfig) -> bool:
+    """Whether cached keys are copied out as [hd, T] for the scores: a program traced
+    for Eigen, which reads a transposed operand slowly (`dot_library`)."""
+    return (
+        jax.default_backend() == "cpu"
+        and cfg.num_kv_heads <= _PER_HEAD_MAX
+        and dot_library.tracing_for() == "eigen"
+    )
+
+
+def _attention_per_kv_head(q, k, v, k_cache, v_cache, cache_mask, block_mask, keys_t=False):
     """`_attention` with a cache, one KV head at a time (same maths, same masks).
 
-    q f32[B, N, K, G, hd] (scaled, RoPE applied); k, v f32[B, N, K, hd];
-    caches [B, K, T, hd]. A head's G query heads and N tokens form one
-    [G * N, hd] block of queries (row g * N + i), so each product is a plain
-    [G * N, hd] x [hd, T] matmul per row.
+    q f32[B, N, K, G, hd] (scaled, RoPE applied); block keys k, v f32[B, M, K, hd];
+    caches [B, K, T, hd] (keys [B, K, hd, T] with `keys_t`). A head's G query heads
+    and N tokens form one [G * N, hd] block of queries (row g * N + i), so each
+    product is a plain [G * N, hd] x [hd, T] matmul per row.
     """
     b, n, kh, g, hd = q.shape
-    t, m = k_cache.shape[2], k.shape[1]
+    t, m = k_cache.shape[3 if keys_t else 2], k.shape[1]
     qh = q.transpose(0, 2, 3, 1, 4).reshape(b, kh, g * n, hd)
     cmask = jnp.broadcast_to(cache_mask[:, None], (b, g, n, t)).reshape(b, g * n, t)
     bmask = jnp.broadcast_to(block_mask[:, None], (b, g, n, m)).reshape(b, g * n, m)
     outs = []
     for j in range(kh):
-        s_c = jnp.einsum("bmd,btd->bmt", qh[:, j], k_cache[:, j].astype(jnp.float32))
+        kj = k_cache[:, j].astype(jnp.float32)
+        s_c = jnp.einsum("bmd,bdt->bmt" if keys_t else "bmd,btd->bmt", qh[:, j], kj)
         s_b = jnp.einsum("bmd,bnd->bmn", qh[:, j], k[:, :, j])
         s_c = jnp.where(cmask, s_c, _NEG)
         s_b = jnp.where(bmask, s_b, _NEG)
@@ -291,7 +304,8 @@ def _attention_per_kv_head(q, k, v, k_cache, v_cache, cache_mask, block_mask):
     return out.transpose(0, 3, 1, 2, 4).reshape(b, n, kh * g * hd)
 
 
-def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_cache, side=None):
+def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_cache, side=None,
+           keys_t=False):  # fmt: skip
     """One decoder layer. Returns the new residual and this block's (k, v).
 
     With `side` = (k_side, v_side [B, S, K, hd], at): the block's K/V are put at
@@ -321,7 +335,7 @@ def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_c
         k_side, v_side, at = side
         k = jax.lax.dynamic_update_slice_in_dim(k_side, k.astype(k_side.dtype), at, axis=1)
         v = jax.lax.dynamic_update_slice_in_dim(v_side, v.astype(v_side.dtype), at, axis=1)
-    attn = _attention(cfg, q, k, v, k_cache, v_cache, cache_mask, block_mask)
+    attn = _attention(cfg, q, k, v, k_cache, v_cache, cache_mask, block_mask, keys_t)
     x = x + matmul(attn, lp["wo"])
     x = x + _mlp(cfg, lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
     return x, k, v
@@ -375,13 +389,17 @@ def _hidden_block(
     # Zero the unused slots so NaN (or stale) data there cannot leak through 0 * NaN.
     keep = cache_valid[:, None, :, None]
     safe_slots = jnp.clip(slots, 0, cache.num_slots - 1)
+    keys_t = _keys_transposed(cfg)
 
     def body(x, layer):
         lp, i, sk, sv = layer  # i: this layer's index into the cache (traced under scan)
         kc, vc = (jnp.where(keep, _cache_rows(a, i, safe_slots, kv_len), 0)
                   for a in (cache.k, cache.v))  # fmt: skip
+        if keys_t:  # the same copy, written out transposed
+            kc = jnp.swapaxes(kc, -1, -2)
         side_l = None if side is None else (sk, sv, side.at)
-        x, k, v = _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, kc, vc, side_l)
+        x, k, v = _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, kc, vc, side_l,
+                         keys_t)  # fmt: skip
         return x, (k, v)
 
     layers = params["layers"]

@@ -211,3 +211,19 @@ def test_speculative_config_of_the_wrong_type_is_refused(tmp_path):
     with pytest.raises(ValueError, match="speculative_config must be a SpeculativeConfig, a "
                                          "dict of its fields or None, got str"):  # fmt: skip
         LLM(target, speculative_config="draft_model")
+
+
+def test_each_copy_is_traced_knowing_its_library():
+    """`tracing_for` names the library a `jit_each` copy is traced for (the verify lays
+    out cached keys by it), and "default" outside any copy."""
+    seen = []
+
+    def fun(x):
+        seen.append(dot_library.tracing_for())
+        return x + 1
+
+    copies = dot_library.jit_each(fun)
+    for name, f in copies.items():
+        assert int(f(jnp.int32(1))) == 2
+        assert seen[-1] == name
+    assert dot_library.tracing_for() == "default" and set(seen) == set(dot_library.LIBRARIES)

@@ -162,6 +162,10 @@ def test_per_kv_head_attention_matches_the_batched_form(monkeypatch, heads, kv_h
     args = (cfg, q, k, v, kc, vc, cache_mask, block_mask)
     assert jax.default_backend() == "cpu" and kv_heads <= T._PER_HEAD_MAX
     per_head = T._attention(*args)
+    # Keys handed over as [B, K, hd, T] (how a program traced for Eigen copies them).
+    keys_t = T._attention(cfg, q, k, v, jnp.swapaxes(kc, -1, -2), vc, cache_mask, block_mask,
+                          keys_t=True)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(keys_t), np.asarray(per_head), atol=1e-5, rtol=1e-5)
     monkeypatch.setattr(T, "_PER_HEAD_MAX", 0)  # the batched form
     batched = T._attention(*args)
     assert per_head.shape == batched.shape == (b, n, heads * hd)
