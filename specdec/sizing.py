@@ -51,13 +51,17 @@ class TreePlan:
 
     num_nodes: int  # N, tree nodes per step
     max_depth: int
+    topk: int  # widest expansion the tree needs (`SpeculativeConfig.topk` may narrow it)
     cost: dict[int, float]  # N -> verify cost of N nodes relative to a 1-token decode
     score: dict[int, float]  # N -> expected tokens per unit of decode time
     library: dict[int, str] = dataclasses.field(default_factory=dict)  # N -> faster dot library
 
 
-# (num_nodes, max_depth, expected acceptance length) for a distilled draft.
-CANDIDATES = ((4, 4, 2.5), (8, 5, 2.9), (16, 6, 3.3), (32, 6, 3.6), (64, 7, 3.8))
+# (num_nodes, max_depth, topk, expected acceptance length) for a distilled draft. The
+# smallest is the depth-4 chain plus its best side branch (topk 2 offers every
+# second-best child): on XLA CPU's Eigen products 6 rows cost what 5 do (`dot_library`),
+# and the demo pair accepted 3.44 tokens a step with it against 3.15 for the chain.
+CANDIDATES = ((5, 4, 2, 2.7), (8, 5, 2, 2.9), (16, 6, 4, 3.3), (32, 6, 4, 3.6), (64, 7, 4, 3.8))
 
 
 def _time(f, x, repeats: int = 5) -> float:
@@ -119,27 +123,29 @@ def product_costs(
     return out
 
 
-def plan_from_costs(costs: dict[str, dict[int, float]]) -> TreePlan:
-    """The best candidate tree for per-library product timings at 1 and N + 1 rows.
+def plan_from_costs(costs: dict[str, dict[int, float]], batch: int = 1) -> TreePlan:
+    """The best candidate tree for per-library product timings at `batch` rows (one
+    decode step of `batch` sequences) and batch * (N + 1) rows (their trees).
 
-    cost(N) = best library's time at N + 1 rows / best library's time at 1 row;
+    cost(N) = best library's time at batch * (N + 1) rows / its time at `batch` rows;
     candidates with no timing are not considered."""
     best = {m: min(c[m] for c in costs.values()) for m in next(iter(costs.values()))}
-    base = best[1]
+    base = best[batch]
     cost, score, library = {}, {}, {}
     floor = 1.0  # a bigger block never costs less (timing noise aside)
-    for n, _, prior in CANDIDATES:
-        if n + 1 not in best:
+    for n, _, _, prior in CANDIDATES:
+        rows = batch * (n + 1)
+        if rows not in best:
             continue
-        floor = cost[n] = max(floor, best[n + 1] / base)
+        floor = cost[n] = max(floor, best[rows] / base)
         score[n] = prior / cost[n]
-        library[n] = min(costs, key=lambda name: costs[name][n + 1])
+        library[n] = min(costs, key=lambda name: costs[name][rows])
     pick = max((c for c in CANDIDATES if c[0] in score), key=lambda c: score[c[0]])
-    return TreePlan(num_nodes=pick[0], max_depth=pick[1], cost=cost, score=score,
+    return TreePlan(num_nodes=pick[0], max_depth=pick[1], topk=pick[2], cost=cost, score=score,
                     library=library)  # fmt: skip
 
 
-PLAN_ROWS = [1] + [n + 1 for n, _, _ in CANDIDATES]
+PLAN_ROWS = [1] + [n + 1 for n, *_ in CANDIDATES]
 
 
 def plan_tree(cfg: ModelConfig, dtype=jnp.float32, max_bytes: int = 256 << 20) -> TreePlan:
@@ -179,16 +185,17 @@ def cached_costs(cfg: ModelConfig, dtype, rows: list[int]) -> dict[str, dict[int
     return {lib: {m: c[m] for m in rows} for lib, c in known.items() if all(m in c for m in rows)}
 
 
-def cached_plan(cfg: ModelConfig, dtype=jnp.float32) -> TreePlan:
-    """`plan_tree` over remembered timings (`cached_costs`), timing candidates in
-    order of size and stopping once no bigger one can win: a bigger tree needs
-    cost < its prior / the best score so far, and costs only grow (on two CPU
-    cores this skips the 33- and 65-row timings, the slowest ones)."""
-    top_prior = max(prior for _, _, prior in CANDIDATES)
-    rows = [1]
-    for n, _, _ in CANDIDATES:
-        rows.append(n + 1)
-        plan = plan_from_costs(cached_costs(cfg, dtype, rows))
+def cached_plan(cfg: ModelConfig, dtype=jnp.float32, batch: int = 1) -> TreePlan:
+    """`plan_tree` over remembered timings (`cached_costs`) for steps of `batch`
+    sequences, timing candidates in order of size and stopping once no bigger one
+    can win: a bigger tree needs cost < its prior / the best score so far, and
+    costs only grow (on two CPU cores this skips the 33- and 65-row timings, the
+    slowest ones)."""
+    top_prior = max(c[-1] for c in CANDIDATES)
+    rows = [batch]
+    for n, *_ in CANDIDATES:
+        rows.append(batch * (n + 1))
+        plan = plan_from_costs(cached_costs(cfg, dtype, rows), batch)
         if plan.cost[n] >= top_prior / plan.score[plan.num_nodes]:
             break
     return plan
@@ -232,8 +239,8 @@ def best_library(cfg: ModelConfig, dtype, rows: int) -> str:
 def describe(plan: TreePlan) -> str:
     curve = ", ".join(f"N={n}: {c:.2f}x" for n, c in plan.cost.items())
     lib = plan.library.get(plan.num_nodes, "default")
-    return (f"tree of {plan.num_nodes} nodes, depth {plan.max_depth} (verify cost {curve}; "
-            f"{lib} dot library)")  # fmt: skip
+    return (f"tree of {plan.num_nodes} nodes, depth {plan.max_depth}, topk {plan.topk} "
+            f"(verify cost {curve}; {lib} dot library)")  # fmt: skip
 
 
 __all__ = [

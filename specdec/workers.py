@@ -316,14 +316,14 @@ def _model_drafter(spec: SpeculativeConfig, *, target_path, target_config, num_s
         raise ValueError(f"Draft model path {spec.model!r} does not exist.")
     cfg, params = load_model(draft_path, dtype=dtype)
     limit = _vocab_limit(target_path, target_config, draft_path, cfg)
-    n, depth = spec.num_speculative_tokens, spec.max_depth
-    if n == "auto":  # sized for this machine from its measured verify-cost curve
-        plan = cached_plan(target_config, params["embed"].dtype)
+    n, depth, topk = spec.num_speculative_tokens, spec.max_depth, spec.topk
+    if n == "auto":  # sized for this machine and batch from its measured verify-cost curve
+        plan = cached_plan(target_config, params["embed"].dtype, batch=num_slots)
         logger.info("num_speculative_tokens='auto': %s", describe(plan))
-        n, depth = plan.num_nodes, plan.max_depth
+        n, depth, topk = plan.num_nodes, plan.max_depth, min(topk, plan.topk)
     return ModelDrafter(
         cfg, params, num_slots=num_slots, max_model_len=max_model_len, num_nodes=n,
-        max_depth=depth, topk=spec.topk, vocab_limit=limit,
+        max_depth=depth, topk=topk, vocab_limit=limit,
     )  # fmt: skip
 
 

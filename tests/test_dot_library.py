@@ -96,25 +96,25 @@ def _fake_costs(monkeypatch, tmp_path, eigen_rows_faster_from: int):
 
 
 def test_plan_and_best_library_use_the_faster_library(monkeypatch, tmp_path):
-    calls = _fake_costs(monkeypatch, tmp_path, eigen_rows_faster_from=6)
+    calls = _fake_costs(monkeypatch, tmp_path, eigen_rows_faster_from=7)
     cfg = tiny_config()
     plan = sizing.cached_plan(cfg, jnp.float32)
-    assert plan.library == {4: "default", 8: "eigen"}  # bigger trees cannot win here
+    assert plan.library == {5: "default", 8: "eigen", 16: "eigen"}  # bigger cannot win
     # cost(N) = best time at N + 1 rows over the best at one row
     assert plan.cost[8] == pytest.approx((1e-3 * 10 - 5e-4) / 2e-3)
     assert "eigen dot library" in sizing.describe(sizing.plan_from_costs(
-        {"default": {1: 1.0, 5: 9.0, 9: 9.0, 17: 9.0, 33: 9.0, 65: 9.0},
-         "eigen": {1: 2.0, 5: 2.0, 9: 9.5, 17: 9.5, 33: 9.5, 65: 9.5}}))  # fmt: skip
+        {"default": {1: 1.0, 6: 9.0, 9: 9.0, 17: 9.0, 33: 9.0, 65: 9.0},
+         "eigen": {1: 2.0, 6: 2.0, 9: 9.5, 17: 9.5, 33: 9.5, 65: 9.5}}))  # fmt: skip
     assert sizing.best_library(cfg, jnp.float32, 5) == "default"
-    assert sizing.best_library(cfg, jnp.float32, 6) == "eigen"
-    assert sizing.best_library(cfg, jnp.bfloat16, 6) == "default"  # nothing to choose
+    assert sizing.best_library(cfg, jnp.float32, 9) == "eigen"
+    assert sizing.best_library(cfg, jnp.bfloat16, 9) == "default"  # nothing to choose
     # Timings are remembered: a second lookup times nothing new.
-    assert calls == [[1, 5], [9], [6]]  # rows 5 was already timed by the plan
+    assert calls == [[1, 6], [9], [17], [5]]  # rows 9 was already timed by the plan
     table = json.loads((tmp_path / "cache" / "product_costs_v1.json").read_text())
     assert set(next(iter(table.values()))) == {"default", "eigen"}
-    sizing.best_library(cfg, jnp.float32, 6)
+    sizing.best_library(cfg, jnp.float32, 9)
     sizing.cached_plan(cfg, jnp.float32)
-    assert len(calls) == 3
+    assert len(calls) == 4
 
 
 def test_engine_verifies_with_the_chosen_library(monkeypatch, tmp_path):
@@ -154,15 +154,15 @@ def test_auto_plan_stops_timing_once_no_bigger_tree_can_win(monkeypatch, tmp_pat
 
     def fake(cfg, dtype, rows, **kw):
         timed.extend(rows)
-        return {"default": {m: {1: 1.0, 5: 1.2, 9: 3.0, 17: 5.0, 33: 9.0, 65: 17.0}[m]
+        return {"default": {m: {1: 1.0, 6: 1.2, 9: 3.0, 17: 5.0, 33: 9.0, 65: 17.0}[m]
                             for m in rows}}  # fmt: skip
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     monkeypatch.setattr(sizing, "product_costs", fake)
     plan = sizing.cached_plan(tiny_config(), jnp.float32)
-    # N=4 scores 2.5 / 1.2; N=8 costs 3.0 >= 3.8 / (2.5 / 1.2): nothing bigger can win.
-    assert (plan.num_nodes, sorted(plan.cost)) == (4, [4, 8])
-    assert sorted(set(timed)) == [1, 5, 9]
+    # N=5 scores 2.7 / 1.2; N=8 costs 3.0 >= 3.8 / (2.7 / 1.2): nothing bigger can win.
+    assert (plan.num_nodes, plan.topk, sorted(plan.cost)) == (5, 2, [5, 8])
+    assert sorted(set(timed)) == [1, 6, 9]
     full = sizing.plan_from_costs(fake(None, None, sizing.PLAN_ROWS))
     assert full.num_nodes == plan.num_nodes  # the same pick as timing every candidate
 
@@ -227,3 +227,24 @@ def test_each_copy_is_traced_knowing_its_library():
         assert int(f(jnp.int32(1))) == 2
         assert seen[-1] == name
     assert dot_library.tracing_for() == "default" and set(seen) == set(dot_library.LIBRARIES)
+
+
+def test_auto_plan_is_sized_for_the_batch(monkeypatch, tmp_path):
+    """At batch B a step verifies B trees: cost(N) = time(B * (N + 1)) / time(B). Products
+    that cost their bytes up to 17 rows and their flops past them: batch 1 affords
+    a 16-node tree, batch 8 the smallest."""
+    timed = []
+
+    def fake(cfg, dtype, rows, **kw):
+        timed.extend(rows)
+        return {"default": {m: max(17, m) for m in rows}}
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(sizing, "product_costs", fake)
+    one = sizing.cached_plan(tiny_config(), jnp.float32)
+    assert (one.num_nodes, one.topk, one.cost[16]) == (16, 4, 1.0)
+    timed.clear()
+    eight = sizing.cached_plan(tiny_config(), jnp.float32, batch=8)
+    assert (eight.num_nodes, eight.topk) == (5, 2)
+    assert eight.cost[5] == pytest.approx(48 / 17)  # 8 trees of 6 rows over 8 decode rows
+    assert timed == [8, 48, 72]  # then no bigger tree can win
