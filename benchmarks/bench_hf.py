@@ -33,10 +33,12 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per engine")
-    # The tree bench_spec.py calls "tree" (small and shallow: cheapest here).
-    ap.add_argument("--tree-nodes", type=int, default=6)
+    # "auto" (the default): the tree `specdec generate` runs, sized for this machine
+    # (`num_speculative_tokens="auto"`; --depth is then the plan's).
+    ap.add_argument("--tree-nodes", type=lambda v: v if v == "auto" else int(v), default="auto",
+                    help="tree nodes, or 'auto' (default)")  # fmt: skip
     ap.add_argument("--depth", type=int, default=4)
-    ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--topk", type=int, default=2, help="widest expansion (caps 'auto' too)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--repetition-penalty", type=float, default=1.0,
                     help="both libraries; default 1 = plain greedy")  # fmt: skip
@@ -75,9 +77,14 @@ def main() -> None:
 
         return once
 
+    shapes = {}
+
     def ours(spec):
         llm = LLM(args.target, max_num_seqs=1, max_model_len=1024, speculative_config=spec,
                   dtype=args.dtype)  # fmt: skip
+        if spec is not None:  # the tree actually grown ("auto" resolved)
+            d = llm.engine.drafter
+            shapes["tree"] = {"num_nodes": d.max_nodes, "max_depth": d.max_depth, "topk": d.topk}
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens,
                                 repetition_penalty=args.repetition_penalty)  # fmt: skip
 
@@ -135,11 +142,12 @@ def main() -> None:
     results["ratio_specdec_ar_over_hf_ar"] = paired("specdec_ar", "hf_ar")
     results["ratio_specdec_tree_over_hf_assisted"] = paired("specdec_tree", "hf_assisted")
     results["ratio_specdec_tree_over_hf_ar"] = paired("specdec_tree", "hf_ar")
-    results["tree"] = {k: v for k, v in tree.items() if k != "model"}
+    results["tree"] = {**{k: v for k, v in tree.items() if k != "model"}, **shapes["tree"]}
     results["machine"] = machine()
     print(f"specdec AR / HF AR:             {results['ratio_specdec_ar_over_hf_ar']:.2f}x")
     print(f"specdec tree / HF assisted:     {results['ratio_specdec_tree_over_hf_assisted']:.2f}x")
     print(f"specdec tree / HF AR:           {results['ratio_specdec_tree_over_hf_ar']:.2f}x")
+    print(f"tree: {shapes['tree']} (asked: {args.tree_nodes} nodes)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

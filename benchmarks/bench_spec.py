@@ -1,7 +1,7 @@
 """Speculative decoding vs plain autoregressive decoding on held-out prompts.
 
 Greedy, 128 new tokens, batch 1 and batch 8; plain AR, chain speculation
-(topk=1), a small tree, a 16-node tree, the tree `num_speculative_tokens="auto"`
+(topk=1), an 8-node tree, a 16-node tree, the tree `num_speculative_tokens="auto"`
 sizes for this machine (what `specdec generate` runs) and n-gram speculation,
 in float32 and bfloat16 weights, all measured in one run: tokens/s end to end (prefill
 included) and in decode alone (after each request's first token), acceptance
@@ -125,11 +125,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per engine")
-    # "tree": small and shallow. On 2 CPU cores the draft's cost grows with depth
-    # (about 0.5 ms a level) and a bfloat16 verify of 4 nodes costs what one decode
-    # step does, 16 nodes about 1.5x (docs: README, Performance).
-    ap.add_argument("--tree-nodes", type=int, default=6)
-    ap.add_argument("--depth", type=int, default=4, help="tree depth")
+    # "tree": deeper than "auto" (which takes the 5-node tree on 2 AVX2 cores). The
+    # draft's cost grows with depth (about 0.35 ms a level here) and a float32 Eigen
+    # verify steps up at 7 rows (docs: README, Performance).
+    ap.add_argument("--tree-nodes", type=int, default=8)
+    ap.add_argument("--depth", type=int, default=6, help="tree depth")
     ap.add_argument("--topk", type=int, default=2, help="children per expanded tree node")
     ap.add_argument("--depth16", type=int, default=8, help="depth of the 16-node tree")
     ap.add_argument("--topk16", type=int, default=2, help="width of the 16-node tree")
