@@ -51,6 +51,18 @@ def methods(draft: str, args) -> dict[str, dict | None]:
 COUNTERS = ("num_drafts", "num_accepted_tokens", "num_draft_tokens")
 
 
+def decode_seconds(outs) -> float:
+    """Wall time during which some request was decoding: the union of the intervals
+    from each request's first token to its finish. At batch 1 that leaves out every
+    prefill; at batch > 1 a prefill that overlaps other requests' decoding counts."""
+    spans = sorted((o.metrics.first_token_time, o.metrics.finished_time) for o in outs)
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total
+
+
 def run_once(llm, prompts, params) -> dict:
     """One timed pass of `llm` over every prompt."""
     before = llm.get_metrics()
@@ -58,15 +70,11 @@ def run_once(llm, prompts, params) -> dict:
         outs = llm.generate(prompts, params, use_tqdm=False)
     after = llm.get_metrics()
     n_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    # Decode alone: the tokens after each request's first over the wall time from the
-    # first first-token to the last finish (prefill of later requests overlaps at batch > 1).
-    first = min(o.metrics.first_token_time for o in outs)
-    last = max(o.metrics.finished_time for o in outs)
     return {
         "tokens": n_tokens,
         "seconds": t.seconds,
         "tokens_per_s": n_tokens / t.seconds,
-        "decode_tokens_per_s": (n_tokens - len(outs)) / (last - first),
+        "decode_tokens_per_s": (n_tokens - len(outs)) / decode_seconds(outs),
         **{k: after[k] - before[k] for k in COUNTERS},
         "outputs": [o.outputs[0].token_ids for o in outs],
     }
