@@ -107,9 +107,10 @@ class ModelDrafter:
         self._root_pos = np.zeros(num_slots, np.int32)
         self._pend_len = np.ones(num_slots, np.int32)
         # The last tree's side K/V (pending tokens, then expanded nodes; see `_grow`).
-        side = self.pending_len + max(self.max_depth - 1, 1) * self.topk
-        shape = (cfg.num_layers, num_slots, side, cfg.num_kv_heads, cfg.head_dim)
-        self._side = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+        side = transformer.SideKV.zeros(
+            cfg, num_slots, self.pending_len + _side_region(self.max_depth, self.topk)
+        )
+        self._side = (side.k, side.v)
         self._deferred = self._no_commit()  # the last commit's K/V writes, not yet applied
 
     def _no_commit(self) -> tuple:
@@ -378,6 +379,12 @@ def greedy_chain(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return chain, length
 
 
+def _side_region(max_depth: int, topk: int) -> int:
+    """Side-buffer entries after the pending tokens: levels 1 .. D - 1 expand topk nodes
+    each (at least one level's worth, so no array is empty)."""
+    return max(max_depth - 1, 1) * topk
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "topk", "max_depth", "num_nodes", "vocab_limit", "kv_len"),
@@ -401,7 +408,7 @@ def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, pena
     k = topk
     w = k * k  # candidate slots per level; level 1 uses its first k (the rest stay -inf)
     c_total = max_depth * w
-    region = max(max_depth - 1, 1) * k
+    region = _side_region(max_depth, k)
 
     def top_children(logits):  # [B, ..., V] -> (logp [B, ..., k], tokens [B, ..., k])
         if seen is not None:  # the rows' repetition penalty over their committed tokens

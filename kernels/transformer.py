@@ -240,7 +240,7 @@ def _attention(
     b, n, h, hd = q.shape
     kh = cfg.num_kv_heads
     q = q.reshape(b, n, kh, h // kh, hd) * (1.0 / math.sqrt(hd))
-    if keys_t or (k_cache is not None and jax.default_backend() == "cpu" and kh <= _PER_HEAD_MAX):
+    if keys_t or (k_cache is not None and _per_kv_head(cfg)):
         return _attention_per_kv_head(q, k, v, k_cache, v_cache, cache_mask, block_mask, keys_t)
     s_block = jnp.einsum("bnkgd,bmkd->bkgnm", q, k)
     s_block = jnp.where(block_mask[:, None, None], s_block, _NEG)
@@ -264,14 +264,15 @@ def _attention(
 _PER_HEAD_MAX = 8
 
 
+def _per_kv_head(cfg: ModelConfig) -> bool:
+    """Whether attention over a cache runs one KV head at a time (XLA CPU, few heads)."""
+    return jax.default_backend() == "cpu" and cfg.num_kv_heads <= _PER_HEAD_MAX
+
+
 def _keys_transposed(cfg: ModelConfig) -> bool:
-    """Whether cached keys are copied out as [hd, T] for the scores: a program traced
-    for Eigen, which reads a transposed operand slowly (`dot_library`)."""
-    return (
-        jax.default_backend() == "cpu"
-        and cfg.num_kv_heads <= _PER_HEAD_MAX
-        and dot_library.tracing_for() == "eigen"
-    )
+    """Whether cached keys are copied out as [hd, T] for the per-head scores: a program
+    traced for Eigen, which reads a transposed operand slowly (`dot_library`)."""
+    return _per_kv_head(cfg) and dot_library.tracing_for() == "eigen"
 
 
 def _attention_per_kv_head(q, k, v, k_cache, v_cache, cache_mask, block_mask, keys_t=False):
