@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,17 @@ from specdec.verify.sampling import repetition_penalized
 from specdec.verify.tree import ChildSampling
 
 from .base import PAD_PARENT, DraftBatch
+
+
+class KVWrite(NamedTuple):
+    """A commit's K/V write, deferred to the next `_grow`: `transformer.write_kv`'s
+    arguments after the cache."""
+
+    ks: jax.Array  # [L, S, P + R, K, hd] the side buffer's keys
+    vs: jax.Array
+    slots: np.ndarray  # i32[S], -1 = write nothing for that slot
+    starts: np.ndarray  # i32[S] cache position of the first entry written
+    keep: np.ndarray  # i32[S, P + D] side entries to write, in order
 
 
 def num_candidates(topk: int, max_depth: int) -> int:
@@ -91,7 +103,6 @@ class ModelDrafter:
         self.max_nodes = min(num_nodes, num_candidates(self.topk, max_depth))
         self.pending_len = max_depth + 1  # accepted-but-unexpanded nodes + the new root
         self.region = (max_depth - 1) * self.topk  # expanded nodes after the root
-        self.extent = self.pending_len + self.region + 1  # positions a propose adds at most
         self.vocab_limit = min(vocab_limit or cfg.vocab_size, cfg.vocab_size)
         self.runner = ModelRunner(
             cfg,
@@ -113,10 +124,10 @@ class ModelDrafter:
         self._side = (side.k, side.v)
         self._deferred = self._no_commit()  # the last commit's K/V writes, not yet applied
 
-    def _no_commit(self) -> tuple:
-        """`write_kv` arguments (after the cache) that write nothing (every slot -1)."""
+    def _no_commit(self) -> KVWrite:
+        """A write of nothing (every slot -1)."""
         s_count = self.runner.num_slots
-        return (
+        return KVWrite(
             *self._side,
             np.full(s_count, -1, np.int32),
             np.zeros(s_count, np.int32),
@@ -125,7 +136,7 @@ class ModelDrafter:
 
     def _flush(self) -> None:
         """Applies the deferred commit now (before any call but `_grow`, which fuses it)."""
-        if (self._deferred[2] >= 0).any():
+        if (self._deferred.slots >= 0).any():
             r = self.runner
             r.cache = transformer.write_kv(r.cache, *self._deferred)
             self._deferred = self._no_commit()
@@ -180,7 +191,9 @@ class ModelDrafter:
             max_depth=self.max_depth,
             num_nodes=self.max_nodes,
             vocab_limit=self.vocab_limit,
-            kv_len=r.kv_len(active, int(r.cache_lens[active].max(initial=0)) + self.extent),
+            # The cache is read only below each row's committed length: the step's own
+            # K/V are in the side buffer, the deferred write's kept entries end there.
+            kv_len=r.kv_len(active, int(r.cache_lens[active].max(initial=0))),
         )
         # Left on the device: the verify is dispatched while this tree is still growing
         # (`commit` reads `expanded` after the verdict, when it is long done).
@@ -218,7 +231,7 @@ class ModelDrafter:
         slots = np.where(active, np.arange(s_count), -1).astype(np.int32)
         self._flush()  # a commit not yet applied (only after two commits in a row)
         # Applied by the next `_grow` (or `_flush`): no dispatch of its own.
-        self._deferred = (*self._side, slots, starts.astype(np.int32), keep)
+        self._deferred = KVWrite(*self._side, slots, starts.astype(np.int32), keep)
 
     # ------------------------------------------------------------------ overlap hooks
     # Used by the distributed draft worker (cluster/actors.py) to grow tree t + 1
@@ -392,8 +405,8 @@ def _side_region(max_depth: int, topk: int) -> int:
 )
 def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, penalty, *, cfg,
           topk, max_depth, num_nodes, vocab_limit, kv_len):  # fmt: skip
-    """The last commit's K/V writes (`deferred`, the `write_kv` arguments after the
-    cache), then catch-up + expansion + rerank (module docstring).
+    """The last commit's K/V writes (`deferred`, a `KVWrite`), then catch-up +
+    expansion + rerank (module docstring).
 
     After that write the cache is only read: the pending tokens' and the tree
     levels' K/V go to a side buffer (`transformer.SideKV`, side positions

@@ -55,6 +55,7 @@ class TreePlan:
     cost: dict[int, float]  # N -> verify cost of N nodes relative to a 1-token decode
     score: dict[int, float]  # N -> expected tokens per unit of decode time
     library: dict[int, str] = dataclasses.field(default_factory=dict)  # N -> faster dot library
+    batch: int = 1  # sequences per step the costs were measured for
 
 
 # (num_nodes, max_depth, topk, expected acceptance length) for a distilled draft. The
@@ -142,7 +143,7 @@ def plan_from_costs(costs: dict[str, dict[int, float]], batch: int = 1) -> TreeP
         library[n] = min(costs, key=lambda name: costs[name][rows])
     pick = max((c for c in CANDIDATES if c[0] in score), key=lambda c: score[c[0]])
     return TreePlan(num_nodes=pick[0], max_depth=pick[1], topk=pick[2], cost=cost, score=score,
-                    library=library)  # fmt: skip
+                    library=library, batch=batch)  # fmt: skip
 
 
 PLAN_ROWS = [1] + [n + 1 for n, *_ in CANDIDATES]
@@ -239,8 +240,9 @@ def best_library(cfg: ModelConfig, dtype, rows: int) -> str:
 def describe(plan: TreePlan) -> str:
     curve = ", ".join(f"N={n}: {c:.2f}x" for n, c in plan.cost.items())
     lib = plan.library.get(plan.num_nodes, "default")
+    seqs = "1 sequence" if plan.batch == 1 else f"{plan.batch} sequences"
     return (f"tree of {plan.num_nodes} nodes, depth {plan.max_depth}, topk {plan.topk} "
-            f"(verify cost {curve}; {lib} dot library)")  # fmt: skip
+            f"(verify cost at {seqs} a step {curve}; {lib} dot library)")  # fmt: skip
 
 
 __all__ = [

@@ -248,3 +248,5 @@ def test_auto_plan_is_sized_for_the_batch(monkeypatch, tmp_path):
     assert (eight.num_nodes, eight.topk) == (5, 2)
     assert eight.cost[5] == pytest.approx(48 / 17)  # 8 trees of 6 rows over 8 decode rows
     assert timed == [8, 48, 72]  # then no bigger tree can win
+    assert "at 8 sequences a step" in sizing.describe(eight)
+    assert "at 1 sequence a step" in sizing.describe(one)
