@@ -41,6 +41,17 @@ from specdec.cluster import messages as m
 logger = logging.getLogger(__name__)
 
 
+def _reserve(worker, slots, msg: dict) -> None:
+    """The rows' planned lengths (`reserve` field; absent = none), so a request reads
+    one compiled K/V length from start to end, as in-process (`ModelRunner.reserve`)."""
+    lengths = msg.get("reserve")
+    if lengths is None:
+        return
+    if not isinstance(lengths, list) or len(lengths) != len(slots):
+        raise m.MessageError(f"field 'reserve' must be a list of {len(slots)} lengths.")
+    worker.reserve(list(slots), [int(n) for n in lengths])
+
+
 class StaleIncarnation(RuntimeError):
     """A request addressed to an earlier incarnation of a restarted actor."""
 
@@ -156,9 +167,9 @@ class TargetWorker(_Host):
 
     def prefill(self, data: bytes) -> bytes:
         msg = self._open(data, "prefill")
-        roots = self.worker.prefill(
-            m.decode_array(msg["slots"], "slots").tolist(), msg["prompts"], m.sampling_from(msg)
-        )
+        slots = m.decode_array(msg["slots"], "slots").tolist()
+        _reserve(self.worker, slots, msg)
+        roots = self.worker.prefill(slots, msg["prompts"], m.sampling_from(msg))
         return m.pack("roots", msg["round"], roots=np.asarray(roots, np.int32))
 
     def restore(self, data: bytes) -> bytes:
@@ -167,6 +178,7 @@ class TargetWorker(_Host):
         slots, histories = msg["slots"], msg["histories"]
         for s in range(self.num_slots):
             self.worker.release(s)
+        _reserve(self.worker, slots, msg)
         if slots:
             self.worker.runner.prefill(slots, [h[:-1] for h in histories])
         return m.pack("ack", msg["round"])
@@ -247,6 +259,7 @@ class DraftWorker(_Host):
         for s in range(self.num_slots):
             self.drafter.release(s)
         slots, histories = msg["slots"], msg["histories"]
+        _reserve(self.drafter, slots, msg)
         if slots:
             self.drafter.start(slots, [h[:-1] for h in histories], [h[-1] for h in histories])
         self._forget()
@@ -254,6 +267,7 @@ class DraftWorker(_Host):
 
     def start(self, data: bytes) -> bytes:
         msg = self._open(data, "start")
+        _reserve(self.drafter, msg["slots"], msg)
         self.drafter.start(msg["slots"], msg["prompts"], msg["roots"])
         self.hit[msg["slots"]] = False
         return m.pack("ack", msg["round"])

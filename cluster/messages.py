@@ -8,11 +8,11 @@ count N, so neither side re-traces.
 
 Kinds (request -> reply):
 
-    prefill  {slots, prompts, sampling}             -> roots {roots i32[B]}
-    restore  {slots, histories}                     -> ack
+    prefill  {slots, prompts, reserve, sampling}    -> roots {roots i32[B]}
+    restore  {slots, histories, reserve}            -> ack
     verify   {roots i32[S], active bool[S], tree, sampling} -> verdict
     verdict  {emitted i32[S, N+1], num_accepted i32[S], accepted_nodes i32[S, N]}
-    start    {slots, prompts, roots}                -> ack
+    start    {slots, prompts, roots, reserve}       -> ack
     propose  {active bool[S], roots i32[S]}         -> tree
     tree     {max_nodes, child_sampling, rows: [[slot, TokenTree bytes], ...], stats}
     commit   {active bool[S], verdict fields}       -> ack
@@ -20,7 +20,8 @@ Kinds (request -> reply):
 
 `round` is the coordinator's step counter: a reply must echo the round of its
 request, and a tree speculated for round t + 1 is only used by the propose of
-round t + 1. `sampling` is a `SamplingBatch` as six [B] arrays.
+round t + 1. `sampling` is a `SamplingBatch` as six [B] arrays. `reserve` (optional)
+lists each row's planned length (`ModelRunner.reserve`).
 """
 
 from __future__ import annotations

@@ -189,6 +189,7 @@ class RemoteTarget:
         self.vocab_size = vocab_size
         self.restart_timeout_s = restart_timeout_s
         self.history: dict[int, list[int]] = {}  # slot -> committed tokens, root last
+        self.reserved: dict[int, int] = {}  # slot -> planned length (`reserve`)
         self.round = 0
         self.recoveries: list[float] = []
         self.lost: WorkerLostError | None = None
@@ -207,6 +208,7 @@ class RemoteTarget:
                 incarnation=inc,
                 slots=np.asarray(slots, np.int32),
                 prompts=prompts,
+                reserve=[self.reserved.get(int(s), 0) for s in slots],
                 **m.sampling_fields(sampling),
             ),  # fmt: skip
         )
@@ -238,10 +240,12 @@ class RemoteTarget:
         return emitted, num, accepted
 
     def reserve(self, slots, lengths) -> None:
-        """Not forwarded: the target actor buckets its KV length as rows grow."""
+        """Remembered per slot; travels with the prefill (and any restore)."""
+        self.reserved.update((int(s), int(n)) for s, n in zip(slots, lengths, strict=True))
 
     def release(self, slot: int) -> None:
         self.history.pop(int(slot), None)
+        self.reserved.pop(int(slot), None)
         if self.lost is None:
             msg = m.pack("release", self.round, incarnation=self.incarnation, slot=int(slot))
             self._fired.append(self.endpoint.submit("release", msg))
@@ -277,7 +281,8 @@ class RemoteTarget:
                 break
             try:
                 msg = m.pack("restore", self.round, incarnation=self.incarnation, slots=slots,
-                             histories=histories)  # fmt: skip
+                             histories=histories,
+                             reserve=[self.reserved.get(s, 0) for s in slots])  # fmt: skip
                 self.endpoint.result(self.endpoint.submit("restore", msg))
             except WorkerDown as e:  # died again while re-prefilling: wait for the next restart
                 cause = e
@@ -316,6 +321,7 @@ class RemoteDrafter:
         self.max_nodes = int(self.info["max_nodes"])
         self.overlap = overlap and bool(self.info["can_speculate"])
         self.history: dict[int, list[int]] = {}
+        self.reserved: dict[int, int] = {}  # slot -> planned length (`reserve`)
         self.round = 0
         self.recoveries: list[float] = []
         self.target_only_steps = 0
@@ -335,7 +341,8 @@ class RemoteDrafter:
         roots = [int(r) for r in roots]
         for s, p, r in zip(slots, prompts, roots, strict=True):
             self.history[int(s)] = [*p, r]
-        self._fire("start", slots=[int(s) for s in slots], prompts=prompts, roots=roots)
+        self._fire("start", slots=[int(s) for s in slots], prompts=prompts, roots=roots,
+                   reserve=[self.reserved.get(int(s), 0) for s in slots])  # fmt: skip
 
     def propose(self, active, roots, sampling: SamplingBatch) -> DraftBatch:
         self.round += 1
@@ -369,10 +376,12 @@ class RemoteDrafter:
         self._fire("commit", active=active, verdict=verdict)
 
     def reserve(self, slots, lengths) -> None:
-        """Not forwarded: the draft actor buckets its KV length as rows grow."""
+        """Remembered per slot; travels with the start (and any restore)."""
+        self.reserved.update((int(s), int(n)) for s, n in zip(slots, lengths, strict=True))
 
     def release(self, slot: int) -> None:
         self.history.pop(int(slot), None)
+        self.reserved.pop(int(slot), None)
         self._fire("release", slot=int(slot))
 
     # -- overlap figures
@@ -458,7 +467,8 @@ class RemoteDrafter:
         slots, histories = _tokens(self.history)
         try:
             msg = m.pack("restore", self.round, incarnation=self.incarnation, slots=slots,
-                         histories=histories)  # fmt: skip
+                         histories=histories,
+                         reserve=[self.reserved.get(s, 0) for s in slots])  # fmt: skip
             self.endpoint.result(self.endpoint.submit("restore", msg))
         except WorkerDown as e:
             self._go_down(e)

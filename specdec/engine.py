@@ -223,7 +223,7 @@ class LLMEngine:
         if not new:
             return []
         # Each row's final length, so the whole request runs one compiled KV length
-        # (`ModelRunner.reserve`); remote workers ignore it and bucket as they go.
+        # (`ModelRunner.reserve`); remote workers send it with the prefill / start.
         tree = self.drafter.max_nodes if self.drafter is not None else 0
         planned = [
             min(len(s.prompt_token_ids) + s.params.max_tokens, self.max_model_len) + tree + 2

@@ -177,3 +177,34 @@ def test_stale_incarnation_and_old_rounds_are_refused(models, spec):
     actor.release(m.pack("release", 5, incarnation=target.incarnation, slot=0))
     with pytest.raises(m.MessageError, match="round 4 after round 5"):
         actor.release(m.pack("release", 4, incarnation=target.incarnation, slot=0))
+
+
+def test_remote_workers_hold_the_engines_reservations(models, spec, prompts):
+    """Planned lengths reach both actors with the prefill / start (and a restore), so a
+    remote request reads one compiled K/V length from start to end, as in-process."""
+    engine = local_engine(models, spec, overlap=False)
+    ref = LLM(models[0], max_model_len=MAX_LEN, max_num_seqs=8, speculative_config=spec).engine
+    for e in (engine, ref):
+        for i, p in enumerate(prompts[:3]):
+            e.add_request(str(i), None, p["prompt_token_ids"], GREEDY)
+        e.step()
+    tw = engine.target.endpoint.handles[0].worker
+    dw = engine.drafter.endpoint.handles[0].drafter
+    want = ref.target.runner.reserved
+    assert want[:3].min() > 0 and not want[3:].any()
+    np.testing.assert_array_equal(tw.runner.reserved, want)
+    np.testing.assert_array_equal(dw.runner.reserved, ref.drafter.runner.reserved)
+    # A restarted target gets them back with its histories.
+    actor = engine.target.endpoint.handles[0]
+    slots, histories = sorted(engine.target.history), [engine.target.history[s] for s in
+                                                       sorted(engine.target.history)]  # fmt: skip
+    msg = m.pack("restore", engine.target.round, incarnation=engine.target.incarnation,
+                 slots=slots, histories=histories,
+                 reserve=[engine.target.reserved[s] for s in slots])  # fmt: skip
+    actor.restore(msg)
+    np.testing.assert_array_equal(tw.runner.reserved, want)
+    with pytest.raises(m.MessageError, match="'reserve' must be a list of 3 lengths"):
+        actor.restore(m.pack("restore", engine.target.round, incarnation=engine.target.incarnation,
+                             slots=slots, histories=histories, reserve=[1]))  # fmt: skip
+    engine.target.release(0)
+    assert 0 not in engine.target.reserved
