@@ -140,9 +140,13 @@ class TargetWorker(_Host):
     ):
         super().__init__(num_devices, num_hosts, rank, coordinator)
         from specdec import workers
+        from specdec.api import default_dtype
         from specdec.checkpoint import load_model
         from specdec.kernels import sharding
 
+        if dtype == "auto":  # decided here, on the host that runs the products
+            dtype = default_dtype(model, rows=num_slots * (1 + max_tree_nodes))
+        self.dtype = dtype
         self.cfg, params = load_model(model, dtype=dtype)
         self.worker = workers.TargetWorker(
             self.cfg,
@@ -163,6 +167,7 @@ class TargetWorker(_Host):
         return self._info(
             vocab_size=self.cfg.vocab_size,
             placement=sharding.describe(self.cfg, self.mesh.size),
+            dtype=self.dtype,
         )
 
     def prefill(self, data: bytes) -> bytes:
@@ -226,13 +231,17 @@ class DraftWorker(_Host):
     ):
         super().__init__(num_devices, num_hosts, rank, coordinator)
         from specdec import workers
+        from specdec.api import default_dtype, verify_rows
         from specdec.checkpoint import load_config
         from specdec.kernels import sharding
         from specdec.params import SpeculativeConfig
 
+        spec = SpeculativeConfig.from_dict(spec)
+        if dtype == "auto":  # decided here, for the rows a step verifies (as in-process)
+            dtype = default_dtype(target_model, rows=verify_rows(spec, num_slots))
         self.target_cfg = load_config(target_model)
         self.drafter = workers.build_drafter(
-            SpeculativeConfig.from_dict(spec),
+            spec,
             target_path=target_model,
             target_config=self.target_cfg,
             num_slots=num_slots,

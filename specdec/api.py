@@ -54,7 +54,7 @@ def default_dtype(folder: str | os.PathLike | None = None, *, rows: int | None =
     return sizing.faster_dtype(cfg, rows)
 
 
-def _verify_rows(spec: SpeculativeConfig | None, max_num_seqs: int) -> int:
+def verify_rows(spec: SpeculativeConfig | None, max_num_seqs: int) -> int:
     """Rows one decode step verifies: every slot's root plus its tree (for an
     "auto"-sized tree, the smallest candidate)."""
     nodes = 0 if spec is None else spec.num_speculative_tokens
@@ -71,7 +71,8 @@ class LLM:
             tokenizer.json.
         dtype: weight dtype; "auto" = bfloat16 off CPU; on CPU float32, except
             that a bfloat16 checkpoint stays bfloat16 where bfloat16 products time
-            faster than float32 ones on this CPU (`default_dtype`).
+            faster than float32 ones on this CPU (`default_dtype`). On Ray, each
+            actor decides on its own host; `LLM.dtype` is then the target's.
         max_model_len: prompt + output tokens per sequence at most; default
             min(max_position_embeddings, 4096).
         max_num_seqs: sequences decoded together (KV-cache slots).
@@ -124,11 +125,11 @@ class LLM:
                 "speculative_config must be a SpeculativeConfig, a dict of its fields or "
                 f"None, got {type(speculative_config).__name__}."
             )
-        if dtype == "auto":  # timed for the rows a step verifies; remote: on another host
-            self.dtype = default_dtype(folder, rows=None if remote else _verify_rows(
-                speculative_config, max_num_seqs))  # fmt: skip
-        else:
-            self.dtype = dtype
+        # "auto" is timed for the rows a step verifies, on the host that runs them: here,
+        # or in each Ray actor (the target's choice is read back from it below).
+        self.dtype = dtype
+        if dtype == "auto" and not remote:
+            self.dtype = default_dtype(folder, rows=verify_rows(speculative_config, max_num_seqs))
         if remote:  # the weights load in the target actor, not here
             self.config, params = load_config(folder), None
         else:
@@ -161,6 +162,7 @@ class LLM:
                 max_model_len=max_model_len, kernel=kernel,
             )  # fmt: skip
             self.cluster = target.cluster
+            self.dtype = target.info.get("dtype", self.dtype)
         else:
             drafter = None
             if speculative_config is not None:

@@ -131,6 +131,7 @@ def test_sharded_distributed_equals_in_process(sharded, prompts, reference):
     assert info["placement"]["wq"] == "split heads / 4"
     assert info["placement"]["wk"] == "replicated"  # 2 K/V heads do not split 4 ways
     assert sharded.engine.drafter.info["pid"] != info["pid"]
+    assert info["dtype"] == sharded.dtype == "float32"  # "auto", decided in the actor
     t0 = time.perf_counter()
     out = [o.outputs[0].token_ids for o in sharded.generate(prompts, GREEDY, use_tqdm=False)]
     print(f"\ndistributed, target on 4 devices: {time.perf_counter() - t0:.1f} s")

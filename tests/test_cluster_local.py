@@ -208,3 +208,30 @@ def test_remote_workers_hold_the_engines_reservations(models, spec, prompts):
                              slots=slots, histories=histories, reserve=[1]))  # fmt: skip
     engine.target.release(0)
     assert 0 not in engine.target.reserved
+
+
+def test_auto_dtype_is_decided_in_each_actor(models, spec, monkeypatch):
+    """dtype="auto" travels to the actors: each times its products on its own host, for
+    the rows a step verifies, and the target reports what it chose."""
+    import jax.numpy as jnp
+
+    import specdec.api as api
+    from specdec.params import SpeculativeConfig
+
+    asked = []
+
+    def fake(folder, *, rows=None):
+        asked.append((str(folder), rows))
+        return "bfloat16"
+
+    monkeypatch.setattr(api, "default_dtype", fake)
+    dw = DraftWorker(spec, target_model=str(models[0]), dtype="auto", num_slots=2,
+                     max_model_len=MAX_LEN)  # fmt: skip
+    n = dw.drafter.max_nodes
+    tw = TargetWorker(str(models[0]), dtype="auto", num_slots=2, max_model_len=MAX_LEN,
+                      max_tree_nodes=n)  # fmt: skip
+    rows = api.verify_rows(SpeculativeConfig.from_dict(spec), 2)
+    assert asked == [(str(models[0]), rows), (str(models[0]), 2 * (1 + n))]
+    assert m.unpack(tw.hello(), "hello")["dtype"] == "bfloat16"
+    assert tw.worker.runner.params["embed"].dtype == jnp.bfloat16
+    assert dw.drafter.runner.params["embed"].dtype == jnp.bfloat16

@@ -179,7 +179,7 @@ def _bf16_config(folder, **sizes):
 @pytest.mark.parametrize("bf16_cost, expected", [(2.0, "float32"), (0.5, "bfloat16")])
 def test_auto_dtype_times_a_bfloat16_checkpoint_on_cpu(monkeypatch, tmp_path, bf16_cost, expected):
     """dtype="auto" with the rows of a step: the dtype whose products time faster."""
-    from specdec.api import _verify_rows, default_dtype
+    from specdec.api import default_dtype, verify_rows
     from specdec.params import SpeculativeConfig
 
     asked = []
@@ -199,11 +199,11 @@ def test_auto_dtype_times_a_bfloat16_checkpoint_on_cpu(monkeypatch, tmp_path, bf
     assert sorted(asked) == [("bfloat16", [5]), ("float32", [5])]
     small = _bf16_config(tmp_path / "small")
     assert default_dtype(small, rows=5) == "bfloat16"  # too small to time
-    assert _verify_rows(None, 8) == 8
-    assert _verify_rows(SpeculativeConfig(method="draft_model", model="x",
+    assert verify_rows(None, 8) == 8
+    assert verify_rows(SpeculativeConfig(method="draft_model", model="x",
                                           num_speculative_tokens=6), 2) == 14  # fmt: skip
     auto = SpeculativeConfig(method="draft_model", model="x", num_speculative_tokens="auto")
-    assert _verify_rows(auto, 1) == 1 + sizing.CANDIDATES[0][0]
+    assert verify_rows(auto, 1) == 1 + sizing.CANDIDATES[0][0]
 
 
 def test_speculative_config_of_the_wrong_type_is_refused(tmp_path):
