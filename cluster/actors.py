@@ -257,7 +257,7 @@ class DraftWorker(_Host):
         self.spec_round = -1  # the round whose tree the speculation guessed about
         self.hit = np.zeros(num_slots, bool)  # rows whose guess the target confirmed
         self.hit_round = -1  # the round the confirmed guesses are for
-        self.last = None  # (round, active, tree) of the last proposal
+        self.last = None  # (round, active, tree, sampling) of the last proposal
         self.hits = self.misses = 0
 
     def hello(self) -> bytes:
@@ -292,7 +292,7 @@ class DraftWorker(_Host):
         else:
             tree = self.drafter.propose(active, roots, sampling)
         self._forget()
-        self.last = (rnd, active, tree)
+        self.last = (rnd, active, tree, sampling)
         stats = {"hits": self.hits, "misses": self.misses}
         return m.pack_tree(rnd, tree, active, stats)
 
@@ -300,8 +300,8 @@ class DraftWorker(_Host):
         """Grows the next tree from the guessed verdict on the tree of this round."""
         msg = self._open(data, "speculate")
         if self.can_speculate and self.last is not None and self.last[0] == msg["round"]:
-            _, active, tree = self.last
-            self.spec = self.drafter.speculate(active, tree)
+            _, active, tree, sampling = self.last
+            self.spec = self.drafter.speculate(active, tree, sampling)
             self.spec_round = msg["round"]
         return m.pack("ack", msg["round"])
 

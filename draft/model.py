@@ -237,15 +237,19 @@ class ModelDrafter:
     # Used by the distributed draft worker (cluster/actors.py) to grow tree t + 1
     # while the target verifies tree t; the in-process engine never calls them.
 
-    def speculate(self, active: np.ndarray, tree: DraftBatch) -> Speculation:
-        """Grows the next tree now, guessing the verdict on `tree` (just proposed).
+    def speculate(self, active: np.ndarray, tree: DraftBatch,
+                  sampling: SamplingBatch | None = None) -> Speculation:  # fmt: skip
+        """Grows the next tree now, guessing the verdict on `tree` (just proposed
+        under `sampling`).
 
         The guess: the greedy chain (each level's first child) is accepted in
         full and the bonus token is the draft's own top-1 after it. The drafter
         is left as if that verdict were committed and the next tree proposed;
         `resolve` keeps this for rows the target confirms and rolls back the
         rest. Rows whose chain ends on an expanded node (fewer nodes than
-        `max_depth`) are not guessed.
+        `max_depth`) are not guessed. Rows under a repetition penalty rank the
+        next tree's children by their committed tokens plus the guessed run, as
+        the propose after a real commit would.
         """
         s_count = self.runner.num_slots
         tree, expanded = tree.to_host(), self._host_expanded()
@@ -265,7 +269,12 @@ class ModelDrafter:
         for s in np.flatnonzero(rows):
             self.pending[s][-1] = int(bonus[s])
             guess[int(s)] = [*emitted[s, : length[s]].tolist(), int(bonus[s])]
-        next_tree = self.propose(rows, None, None).to_host() if rows.any() else None
+        if sampling is not None and sampling.seen is not None:
+            seen = np.array(sampling.seen, bool)  # a copy: the caller's stays as it was
+            for s, run in guess.items():
+                seen[s, [t for t in run if t < seen.shape[1]]] = True
+            sampling = dataclasses.replace(sampling, seen=seen)
+        next_tree = self.propose(rows, None, sampling).to_host() if rows.any() else None
         spec = Speculation(
             rows=rows,
             guess=guess,
