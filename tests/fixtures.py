@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from specdec.checkpoint import save_checkpoint
+from specdec.checkpoint import load_model, save_checkpoint
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.transformer import init_params
 
@@ -65,3 +67,17 @@ def tiny_pair(root: Path, seed: int = 0, scale: float = 30.0) -> Path:
     v = write_tokenizer(root)
     write_model(root, tiny_config(v), seed=seed, scale=scale)
     return root
+
+
+def noisy_copy(src, dst, noise: float, seed: int = 1):
+    """The model at `src` with Gaussian noise (noise x each tensor's std): a partly right draft."""
+    shutil.copytree(src, dst)
+    cfg, params = load_model(src)
+    rng = np.random.default_rng(seed)
+
+    def perturb(a):
+        a = np.asarray(a)
+        return a + noise * a.std() * rng.standard_normal(a.shape).astype(np.float32)
+
+    save_checkpoint(dst, cfg, jax.tree.map(perturb, params), dtype="float32")
+    return dst

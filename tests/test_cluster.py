@@ -11,16 +11,13 @@ import os
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 import dataclasses  # noqa: E402
-import shutil  # noqa: E402
 import time  # noqa: E402
 
-import jax  # noqa: E402
 import numpy as np
 import pytest
-from fixtures import tiny_pair
+from fixtures import noisy_copy, tiny_pair
 
 from specdec import LLM, SamplingParams
-from specdec.checkpoint import load_model, save_checkpoint
 from specdec.cluster.config import ClusterConfig
 from specdec.cluster.remote import cluster_llm
 
@@ -31,20 +28,6 @@ ray = pytest.importorskip("ray")
 MAX_LEN = 96
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SPEC = dict(num_speculative_tokens=10, max_depth=4, topk=2)
-
-
-def noisy_copy(src, dst, noise: float, seed: int = 1):
-    """The model at `src` with Gaussian noise (noise x each tensor's std): a partly right draft."""
-    shutil.copytree(src, dst)
-    cfg, params = load_model(src)
-    rng = np.random.default_rng(seed)
-
-    def perturb(a):
-        a = np.asarray(a)
-        return a + noise * a.std() * rng.standard_normal(a.shape).astype(np.float32)
-
-    save_checkpoint(dst, cfg, jax.tree.map(perturb, params), dtype="float32")
-    return dst
 
 
 @pytest.fixture(scope="module")

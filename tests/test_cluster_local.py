@@ -10,8 +10,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-from fixtures import tiny_pair
-from test_cluster import GREEDY, MAX_LEN, SPEC, noisy_copy
+from fixtures import noisy_copy, tiny_pair
+from test_cluster import GREEDY, MAX_LEN, SPEC
 
 from specdec import LLM, SamplingParams
 from specdec.cluster import messages as m
@@ -195,8 +195,8 @@ def test_remote_workers_hold_the_engines_reservations(models, spec, prompts):
     np.testing.assert_array_equal(dw.runner.reserved, ref.drafter.runner.reserved)
     # A restarted target gets them back with its histories.
     actor = engine.target.endpoint.handles[0]
-    slots, histories = sorted(engine.target.history), [engine.target.history[s] for s in
-                                                       sorted(engine.target.history)]  # fmt: skip
+    slots = sorted(engine.target.history)
+    histories = [engine.target.history[s] for s in slots]
     msg = m.pack("restore", engine.target.round, incarnation=engine.target.incarnation,
                  slots=slots, histories=histories,
                  reserve=[engine.target.reserved[s] for s in slots])  # fmt: skip

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from fixtures import tiny_config, tiny_pair, write_model, write_tokenizer
+from fixtures import noisy_copy, tiny_config, tiny_pair, write_model, write_tokenizer
 
 from specdec import LLM, SamplingParams
 from specdec.draft.ngram import NgramDrafter
@@ -123,21 +123,13 @@ def test_draft_cache_after_steps_equals_a_fresh_prefill(tmp_path):
     """A drafter keeps its step's K/V (pending tokens, tree levels) in a side buffer and
     writes back what the verdict keeps. After steps with partial acceptance, its
     committed cache must equal a prefill of the same tokens."""
-    import jax
-
-    from specdec.checkpoint import save_checkpoint
+    from specdec.checkpoint import load_model
     from specdec.kernels.kv_cache import ModelRunner
-    from specdec.kernels.transformer import init_params
 
-    target = tiny_pair(tmp_path / "t")  # seed 0, embeddings x30
-    cfg = tiny_config(write_tokenizer(tmp_path / "d"))
-    params = init_params(cfg, jax.random.key(0))
-    params["embed"] = params["embed"] * 30.0
+    target = tiny_pair(tmp_path / "t")
+    # A draft that agrees with the target often, not always.
+    cfg, noisy = load_model(noisy_copy(target, tmp_path / "d", noise=0.4))
     rng = np.random.default_rng(1)
-    noisy = jax.tree.map(
-        lambda a: np.asarray(a) + 0.4 * float(np.std(a)) * rng.standard_normal(a.shape), params
-    )  # a draft that agrees with the target often, not always
-    save_checkpoint(tmp_path / "d", cfg, noisy, dtype="float32")
     spec = {"method": "draft_model", "model": str(tmp_path / "d"), "num_speculative_tokens": 7,
             "max_depth": 4, "topk": 2}  # fmt: skip
     llm = LLM(target, max_model_len=96, max_num_seqs=2, speculative_config=spec)
@@ -145,7 +137,7 @@ def test_draft_cache_after_steps_equals_a_fresh_prefill(tmp_path):
     params_ = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for i, n in enumerate((5, 11)):
         engine.add_request(f"r{i}", None, rng.integers(0, 300, n).tolist(), params_)
-    fresh = ModelRunner(cfg, jax.tree.map(np.asarray, noisy), num_slots=1, max_len=96)
+    fresh = ModelRunner(cfg, noisy, num_slots=1, max_len=96)
     for _ in range(8):
         engine.step()
         drafter._flush()  # the write-back otherwise waits for the next `_grow`
