@@ -410,8 +410,8 @@ def _phase3_data(run_dir: Path, s: RunSettings, cfg: ModelConfig, salt: int, log
 
 
 def stage_generate(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag) -> None:
-    """Phase 3's data: the phase-2 target (bf16 weights, as shipped) continues seeded
-    corpus windows greedily. `data/generated.npz`: tokens u16[n, length] and the
+    """Phase 3's data: the phase-2 target (bf16 weights, as shipped, computing in
+    `self_distill.dtype`) continues seeded corpus windows greedily. `data/generated.npz`: tokens u16[n, length] and the
     teacher's top-k per generated token (`SelfDistillSettings`)."""
     out = run_dir / "data" / "generated.npz"
     if out.exists():
@@ -419,7 +419,8 @@ def stage_generate(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag) -> N
         return
     sd = s.self_distill
     t_cfg, t_params = load_final(run_dir, s, "target_more")
-    params = unstack_layers(jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), t_params))
+    params = unstack_layers(jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.bfloat16).astype(sd.dtype), t_params))  # fmt: skip
     windows = Windows(load_tokens(run_dir, "train"), s.seq_len, s.seed, salt=5)
     gen_len = sd.length - sd.prompt_len
     pens = np.array(sd.repetition_penalties, np.float32)

@@ -1,5 +1,6 @@
 """scripts/train_demo_pair.py end to end on its --smoke settings (tiny models, a few steps)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -196,3 +197,20 @@ def test_rows_are_a_pure_function_of_their_index():
     for epoch in range(3):  # every row once per epoch, in a new order each time
         assert sorted(whole[epoch * 10 : epoch * 10 + 10, 0]) == list(range(10))
     assert not np.array_equal(whole[:10], whole[10:20])
+
+
+def test_phase3_dtype_setting():
+    """Phase 3's generation dtype: validated, and a run dir written before the
+    setting existed resumes with what it used then (bfloat16)."""
+    settings = _script_module("demo_settings")
+    gen = _script_module("demo_generate")
+    base = dataclasses.asdict(settings.default_settings(smoke=False))
+    assert base["self_distill"]["dtype"] == "float32"
+    old = {**base, "self_distill": {k: v for k, v in base["self_distill"].items() if k != "dtype"}}
+    assert settings.RunSettings.from_json(old).self_distill.dtype == "bfloat16"
+    with pytest.raises(ValueError, match="self_distill.dtype must be bfloat16 or float32, got 'float16'"):
+        settings.RunSettings.from_json({**base, "self_distill": {**base["self_distill"],
+                                                                 "dtype": "float16"}})  # fmt: skip
+    # float32 generation steps run through Eigen on CPU; bfloat16 ones keep XLA's default.
+    assert gen.step_library(jnp.float32) == "eigen"
+    assert gen.step_library(jnp.bfloat16) == "default"
