@@ -214,9 +214,10 @@ def default_settings(smoke: bool) -> RunSettings:
         enforce_size_limits=True,
         # Phase 3: 8192 continuations of 129 target tokens after 128 corpus tokens
         # (1.06M generated tokens), then 2000 steps of 16 of them (4 passes). Short
-        # rows because generation here is bound by reading the cache. The release
-        # before used half of each (4096 sequences, 1000 steps) with the target
-        # computing in bfloat16: 29 minutes of generation on 2 CPU cores.
+        # rows because generation here is bound by reading the cache. On 2 CPU
+        # cores: 38 minutes generating, 19 training. The release before used half
+        # of each (4096 sequences, 1000 steps) with the target computing in
+        # bfloat16: 29 minutes generating, 8 training.
         self_distill=SelfDistillSettings(8192, 128, 257, (1.0, 1.2), 128, 32, "float32"),
         draft_final=StageSettings(2000, 16, 2e-3, 30, 0.1, 0.0, 1.0),
     )
