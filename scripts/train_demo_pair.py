@@ -411,8 +411,9 @@ def _phase3_data(run_dir: Path, s: RunSettings, cfg: ModelConfig, salt: int, log
 
 def stage_generate(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag) -> None:
     """Phase 3's data: the phase-2 target (bf16 weights, as shipped, computing in
-    `self_distill.dtype`) continues seeded corpus windows greedily. `data/generated.npz`: tokens u16[n, length] and the
-    teacher's top-k per generated token (`SelfDistillSettings`)."""
+    `self_distill.dtype`) continues seeded corpus windows greedily.
+    `data/generated.npz`: tokens u16[n, length] and the teacher's top-k per
+    generated token (`SelfDistillSettings`)."""
     out = run_dir / "data" / "generated.npz"
     if out.exists():
         log("generate: already done")
