@@ -420,8 +420,9 @@ def stage_generate(run_dir: Path, s: RunSettings, log: Log, stop: StopFlag) -> N
         return
     sd = s.self_distill
     t_cfg, t_params = load_final(run_dir, s, "target_more")
-    params = unstack_layers(jax.tree_util.tree_map(
-        lambda a: a.astype(jnp.bfloat16).astype(sd.dtype), t_params))  # fmt: skip
+    params = unstack_layers(
+        jax.tree_util.tree_map(lambda a: a.astype(sd.dtype), bf16_round(t_params))
+    )
     windows = Windows(load_tokens(run_dir, "train"), s.seq_len, s.seed, salt=5)
     gen_len = sd.length - sd.prompt_len
     pens = np.array(sd.repetition_penalties, np.float32)
