@@ -7,7 +7,12 @@ reduction over a >= 1 GB array (all cores). Then one verify step over a tree of
 N nodes is timed against that decode step, N in {1, 4, 16, 64}: the curve that
 sizes trees for this hardware (`num_speculative_tokens="auto"`).
 
+`--model` runs a checkpoint folder instead (in float32), e.g. the demo target
+at a held-out prompt's context, where the step is not bound by its weights:
+
     python benchmarks/bench_roofline.py [--json out.json] [--small]
+    python benchmarks/bench_roofline.py --model specdec/assets/demo/target \
+        --context 400 --nodes 1 4 5 6 7 8 16
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from common import describe_machine, machine  # noqa: E402
 
+from specdec.checkpoint import load_model  # noqa: E402
 from specdec.draft.base import DraftBatch  # noqa: E402
 from specdec.kernels.config import ModelConfig  # noqa: E402
 from specdec.kernels.transformer import init_params  # noqa: E402
@@ -60,10 +66,10 @@ def measure_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
     return n * 4 / sec
 
 
-def chain_tree(n: int) -> tuple[np.ndarray, np.ndarray]:
+def chain_tree(n: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """A tree of n nodes: 4 root children, each extended by a chain (typical EAGLE shape)."""
     parents = [-1 if i < 4 else i - 4 for i in range(n)]
-    return np.arange(1, n + 1, dtype=np.int32) % 1000, np.array(parents, np.int32)
+    return np.arange(1, n + 1, dtype=np.int32) % min(vocab, 1000), np.array(parents, np.int32)
 
 
 def main() -> None:
@@ -72,24 +78,43 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="tiny model (smoke run)")
     ap.add_argument("--context", type=int, default=128, help="committed tokens before timing")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint folder to time instead of the random model (float32)",
+    )
+    ap.add_argument("--nodes", type=int, nargs="+", default=[1, 4, 16, 64],
+                    help="tree sizes N whose verify cost is timed")  # fmt: skip
     args = ap.parse_args()
-    cfg = CONFIG_SMALL if args.small else CONFIG_125M
+    if min(args.nodes) < 1 or args.context < 1:
+        ap.error("--nodes and --context must be at least 1")
+    if args.model is not None:
+        cfg, params = load_model(args.model, dtype="float32")
+    else:
+        cfg = CONFIG_SMALL if args.small else CONFIG_125M
+        params = init_params(cfg, jax.random.key(0), jnp.float32)
+    sizes = tuple(args.nodes)
+    max_len = args.context + max(sizes) + 2
+    if max_len > cfg.max_position_embeddings:
+        ap.error(f"--context {args.context} plus {max(sizes)} nodes exceeds the model's "
+                 f"{cfg.max_position_embeddings} positions")  # fmt: skip
 
     bandwidth = measure_bandwidth(0.25 if args.small else 1.0)
-    params = init_params(cfg, jax.random.key(0), jnp.float32)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    sizes = (1, 4, 16, 64)
-    target = TargetWorker(cfg, params, num_slots=1, max_model_len=1024, max_tree_nodes=max(sizes))
+    target = TargetWorker(cfg, params, num_slots=1, max_model_len=max_len,
+                          max_tree_nodes=max(sizes))  # fmt: skip
     sampling = SamplingBatch.make_dummy(1)
     active = np.ones(1, bool)
-    prompt = list(range(1, args.context + 1))
+    prompt = [1 + i % (cfg.vocab_size - 1) for i in range(args.context)]
     target.prefill([0], [prompt], sampling)
 
     def step(tree: DraftBatch):
         target.runner.cache_lens[0] = args.context  # time the same position every call
         target.verify(np.array([7], np.int32), tree, active, sampling)
 
-    results = {"config": cfg.__class__.__name__, "params": cfg.num_params(), "machine": machine()}
+    name = args.model or ("small" if args.small else "random 125M")
+    results = {"model": name, "params": cfg.num_params(), "context": args.context,
+               "machine": machine()}  # fmt: skip
     empty = DraftBatch.empty(1)
     step(empty)
     decode_s = best_of(lambda: step(empty), args.repeats)
@@ -104,14 +129,17 @@ def main() -> None:
     }
     curve = {}
     for n in sizes:
-        toks, parents = chain_tree(n)
+        toks, parents = chain_tree(n, cfg.vocab_size)
         tree = DraftBatch(toks[None], parents[None], None, empty.child_sampling)
         step(tree)
         curve[n] = best_of(lambda tree=tree: step(tree), args.repeats) / decode_s
     results["verify_cost_vs_decode"] = curve
 
     print(describe_machine())
-    print(f"model: {cfg.num_params() / 1e6:.0f}M params, {weight_bytes / 1e6:.0f} MB float32")
+    print(
+        f"model: {results['model']}, {cfg.num_params() / 1e6:.0f}M params, "
+        f"{weight_bytes / 1e6:.0f} MB float32; context {args.context}"
+    )
     print(f"measured bandwidth: {bandwidth / 1e9:.1f} GB/s")
     print(f"AR decode (batch 1): {decode_s * 1e3:.2f} ms/token")
     print(f"roofline floor:      {floor_s * 1e3:.2f} ms/token (weights + KV / bandwidth)")
