@@ -134,6 +134,49 @@ def sample_first(logits: jax.Array, sampling: SamplingBatch) -> jax.Array:
     return jax.vmap(sample_from_uniform)(p, sampling.uniforms(1)[:, 0])
 
 
+def verify_widths(n: int) -> tuple[int, ...]:
+    """Tree widths a verify of trees padded to `n` nodes may run at: 0 (plain
+    decoding), the powers of two from 4 below n, and n. Example: 16 -> (0, 4, 8, 16)."""
+    widths, w = {0, n}, 4
+    while w < n:
+        widths.add(w)
+        w *= 2
+    return tuple(sorted(widths))
+
+
+def narrowest(tree: DraftBatch, active: np.ndarray) -> DraftBatch:
+    """The same trees at the narrowest `verify_widths` width that holds every
+    active row's nodes, so a step whose drafter found little to propose (an n-gram
+    drafter without a match: no tree at all) costs what a smaller tree costs, not
+    the full width. A handful of widths, each compiled once: nothing re-traces
+    from step to step. Trees still on the device (an in-process model drafter's)
+    are left as they are: reading their size would wait for the drafter. The
+    verdict does not depend on the width: a node's uniforms are indexed by node
+    (`verify.acceptance`) and drawn prefix-stable (`SamplingBatch.uniforms`).
+
+    Example: width 8, active rows with 0 and 3 nodes -> width 4.
+    """
+    n = tree.tokens.shape[1]
+    host = (np.ndarray, np.generic)
+    if n == 0 or not (isinstance(tree.tokens, host) and isinstance(tree.parents, host)):
+        return tree
+    probs = tree.draft_probs
+    if probs is not None and not isinstance(probs, host):
+        return tree
+    real = np.asarray(tree.parents)[np.asarray(active, bool)] >= -1  # [rows, N]
+    cols = np.flatnonzero(real.any(axis=0))
+    need = int(cols[-1]) + 1 if cols.size else 0
+    width = min(w for w in verify_widths(n) if w >= need)
+    if width == n:
+        return tree
+    return DraftBatch(
+        np.asarray(tree.tokens)[:, :width],
+        np.asarray(tree.parents)[:, :width],
+        None if probs is None else np.asarray(probs)[:, : width + 1],
+        tree.child_sampling,
+    )
+
+
 KernelName = Literal["auto", "megakernel", "xla"]
 
 
@@ -247,6 +290,8 @@ class TargetWorker:
         num_accepted i32[S] and accepted_nodes i32[S, N] (-1 padded).
         """
         r = self.runner
+        full = tree.tokens.shape[1]
+        tree = narrowest(tree, active)
         slots = np.where(active, np.arange(r.num_slots, dtype=np.int32), -1).astype(np.int32)
         # The megakernel's in-kernel greedy walk knows no repetition penalty: steps with
         # a penalised row take the XLA verify, which computes the same verdict otherwise.
@@ -256,6 +301,9 @@ class TargetWorker:
                                         library)  # fmt: skip
         emitted, num, accepted = np.asarray(emitted), np.asarray(num), np.asarray(accepted)
         r.cache_lens[active] += 1 + num[active]
+        if (pad := full - tree.tokens.shape[1]) > 0:  # callers get the width they sent
+            emitted = np.pad(emitted, ((0, 0), (0, pad)), constant_values=-1)
+            accepted = np.pad(accepted, ((0, 0), (0, pad)), constant_values=-1)
         return emitted, num, accepted
 
     def release(self, slot: int) -> None:

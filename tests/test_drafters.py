@@ -7,9 +7,12 @@ import pytest
 from fixtures import noisy_copy, tiny_config, tiny_pair, write_model, write_tokenizer
 
 from specdec import LLM, SamplingParams
+from specdec.draft.base import DraftBatch
 from specdec.draft.ngram import NgramDrafter
 from specdec.sizing import CANDIDATES, plan_tree
 from specdec.verify.batch import SamplingBatch
+from specdec.verify.tree import ChildSampling
+from specdec.workers import narrowest, verify_widths
 
 
 def test_ngram_continuations_by_hand():
@@ -33,6 +36,58 @@ def test_ngram_respects_budget_and_width():
     assert b.num_nodes[0] == 3  # budget
     assert b.parents[0].tolist() == [-1, 0, 1]  # topk=1: a chain (most recent match)
     assert b.tokens[0].tolist() == [1, 5, 6]
+
+
+def test_verify_widths():
+    assert verify_widths(8) == (0, 4, 8)
+    assert verify_widths(16) == (0, 4, 8, 16)
+    assert verify_widths(12) == (0, 4, 8, 12)
+    assert verify_widths(3) == (0, 3)
+    assert verify_widths(0) == (0,)
+
+
+def _trees(*rows, width=8) -> DraftBatch:
+    """Rows given as parent lists (tokens = 10 + node index), padded to `width`."""
+    b = DraftBatch.empty(len(rows), width)
+    for i, parents in enumerate(rows):
+        b.parents[i, : len(parents)] = parents
+        b.tokens[i, : len(parents)] = 10 + np.arange(len(parents))
+    return b
+
+
+def test_narrowest_takes_the_smallest_width_that_holds_every_active_tree():
+    active = np.array([True, True, False])
+    b = _trees([], [-1, 0, 1], [-1, 0, 1, 2, 3, 4])  # the inactive row's 6 nodes do not count
+    n = narrowest(b, active)
+    assert n.tokens.shape == n.parents.shape == (3, 4)
+    assert n.parents[1].tolist() == [-1, 0, 1, -2] and n.tokens[1, :3].tolist() == [10, 11, 12]
+    assert narrowest(_trees([], [], []), active).tokens.shape == (3, 0)  # nothing: plain decode
+    assert narrowest(_trees([-1] * 5, [-1]), np.ones(2, bool)).tokens.shape == (2, 8)
+    assert narrowest(b, np.zeros(3, bool)).tokens.shape == (3, 0)
+
+
+def test_narrowest_slices_draft_probs_and_leaves_device_trees_alone():
+    import jax.numpy as jnp
+
+    b = _trees([-1, 0], [-1])
+    b.draft_probs = np.arange(2 * 9 * 3, dtype=np.float32).reshape(2, 9, 3)
+    b.child_sampling = ChildSampling.IID
+    n = narrowest(b, np.ones(2, bool))
+    assert n.draft_probs.shape == (2, 5, 3) and n.child_sampling is ChildSampling.IID
+    np.testing.assert_array_equal(n.draft_probs, b.draft_probs[:, :5])
+    on_device = DraftBatch(jnp.asarray(b.tokens), jnp.asarray(b.parents), None, b.child_sampling)
+    assert narrowest(on_device, np.ones(2, bool)) is on_device
+
+
+def test_uniforms_are_prefix_stable():
+    """A verify at a narrower width draws the same numbers for the nodes it keeps
+    (`workers.narrowest`): uniforms(n) must start with uniforms(m) for m < n."""
+    s = SamplingBatch.make_dummy(3)
+    s.seed[:] = [1, 2, 3]
+    s.counter[:] = [0, 5, 9]
+    wide = np.asarray(s.uniforms(9))
+    for m in (1, 5):
+        np.testing.assert_array_equal(np.asarray(s.uniforms(m)), wide[:, :m])
 
 
 @pytest.fixture(scope="module")

@@ -77,9 +77,20 @@ def test_greedy_equality_ngram(target_dir, prompts, reference, max_depth, topk):
     llm = spec_llm(
         target_dir, method="ngram", num_speculative_tokens=8, max_depth=max_depth, topk=topk
     )
+    widths = []
+    target = llm.engine.target
+    verify = target._verify
+
+    def spy(r, cfg, roots, tree, *args):
+        widths.append(tree.tokens.shape[1])
+        return verify(r, cfg, roots, tree, *args)
+
+    target._verify = spy
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert out == reference
     assert llm.get_metrics()["num_accepted_tokens"] > 0
+    # Steps without a match verify no tree; the others the narrowest width that holds it.
+    assert 0 in widths and set(widths) <= {0, 4, 8} and len(set(widths)) > 1
 
 
 def test_tree_reaches_chain_acceptance_length(target_dir, prompts):
