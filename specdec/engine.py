@@ -12,7 +12,9 @@ Walk-through of one `LLMEngine.step()`:
 3. **Verify.** The target scores `[root, tree nodes]` in one fused call, applies
    the acceptance rule and commits the accepted path's K/V
    (`TargetWorker.verify`). Each row yields its accepted tokens plus one bonus
-   token.
+   token. Trees on the host (an n-gram drafter's) are verified at the narrowest
+   of a few fixed widths that holds them (`workers.narrowest`): a step with no
+   tree at all costs a plain decode step.
 4. **Commit.** The engine appends those tokens one by one, applying the stop
    rules *inside* the run: a stop token id, EOS (unless `ignore_eos`), a stop
    string, `max_tokens` and `max_model_len` end the output at the exact token,
