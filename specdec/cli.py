@@ -99,6 +99,11 @@ def sampling_from_args(args):
 
 
 def speculative_from_args(args) -> dict | None:
+    if args.draft is not None and args.method != "draft_model":
+        raise ValueError(
+            f"--draft is a draft model for --method draft_model; --method {args.method} "
+            "takes none (leave --draft out, or pick --method draft_model)."
+        )
     if args.method == "none":
         return None
     n = args.num_speculative_tokens

@@ -48,6 +48,8 @@ def test_generate_bad_input_is_a_clear_error(pair, capsys):
     assert rc == 2 and "does not exist" in capsys.readouterr().err
     rc = main(["generate", "x", "--model", str(pair), "--method", "draft_model"])
     assert rc == 2 and "needs --draft" in capsys.readouterr().err
+    rc = main(["generate", "x", "--model", str(pair), "--method", "ngram", "--draft", str(pair)])
+    assert rc == 2 and "--method ngram takes none" in capsys.readouterr().err
 
 
 def test_sampling_flags_over_generation_config_over_cli_defaults(tmp_path):
