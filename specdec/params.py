@@ -105,6 +105,11 @@ class SpeculativeConfig:
             raise ValueError(f"method must be 'draft_model' or 'ngram', got {self.method!r}.")
         if self.method == "draft_model" and not self.model:
             raise ValueError("method='draft_model' needs model=<draft model folder>.")
+        if self.method == "ngram" and self.model:
+            raise ValueError(
+                f"model={self.model!r} is a draft model folder, for method='draft_model'; "
+                "method='ngram' drafts from the sequence itself and takes none."
+            )
         n = self.num_speculative_tokens
         if n != "auto" and (not _is_int(n) or n < 1):
             raise ValueError(f"num_speculative_tokens must be 'auto' or >= 1, got {n!r}.")

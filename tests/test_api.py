@@ -112,6 +112,8 @@ def test_bad_speculative_config():
         SpeculativeConfig(method="draft_model")
     with pytest.raises(ValueError, match="topk must be >= 1, got 0"):
         SpeculativeConfig(method="ngram", topk=0)
+    with pytest.raises(ValueError, match="method='ngram' drafts from the sequence itself"):
+        SpeculativeConfig(method="ngram", model="some/draft")
     with pytest.raises(ValueError, match=r"Unknown speculative_config keys \['foo'\]"):
         SpeculativeConfig.from_dict({"method": "ngram", "foo": 1})
 
