@@ -163,22 +163,20 @@ def narrowest(tree: DraftBatch, active: np.ndarray) -> DraftBatch:
     Example: width 8, active rows with 0 and 3 nodes -> width 4.
     """
     n = tree.tokens.shape[1]
-    host = (np.ndarray, np.generic)
-    if n == 0 or not (isinstance(tree.tokens, host) and isinstance(tree.parents, host)):
-        return tree
     probs = tree.draft_probs
-    if probs is not None and not isinstance(probs, host):
+    on_host = all(isinstance(a, np.ndarray) for a in (tree.tokens, tree.parents))
+    if n == 0 or not on_host or not (probs is None or isinstance(probs, np.ndarray)):
         return tree
-    real = np.asarray(tree.parents)[np.asarray(active, bool)] >= -1  # [rows, N]
+    real = tree.parents[np.asarray(active, bool)] >= -1  # [rows, N]
     cols = np.flatnonzero(real.any(axis=0))
     need = int(cols[-1]) + 1 if cols.size else 0
     width = min(w for w in verify_widths(n) if w >= need)
     if width == n:
         return tree
     return DraftBatch(
-        np.asarray(tree.tokens)[:, :width],
-        np.asarray(tree.parents)[:, :width],
-        None if probs is None else np.asarray(probs)[:, : width + 1],
+        tree.tokens[:, :width],
+        tree.parents[:, :width],
+        None if probs is None else probs[:, : width + 1],
         tree.child_sampling,
     )
 
