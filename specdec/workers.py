@@ -34,7 +34,14 @@ from specdec.kernels.kv_cache import ModelRunner
 from specdec.kernels.megakernel.reference import tree_block
 from specdec.kernels.transformer import KVCache, Params
 from specdec.params import SpeculativeConfig
-from specdec.sizing import best_library, cached_plan, describe
+from specdec.sizing import (
+    LIBRARY_MIN_BYTES,
+    best_library,
+    cached_costs,
+    cached_plan,
+    describe,
+    weight_bytes,
+)
 from specdec.verify.acceptance import ACCEPTANCE_RULES, Verdict, emitted_tokens, greedy_accept
 from specdec.verify.batch import SamplingBatch
 from specdec.verify.sampling import sample_from_uniform
@@ -170,9 +177,64 @@ def narrowest(tree: DraftBatch, active: np.ndarray) -> DraftBatch:
     real = tree.parents[np.asarray(active, bool)] >= -1  # [rows, N]
     cols = np.flatnonzero(real.any(axis=0))
     need = int(cols[-1]) + 1 if cols.size else 0
-    width = min(w for w in verify_widths(n) if w >= need)
-    if width == n:
+    return truncate(tree, min(w for w in verify_widths(n) if w >= need))
+
+
+class WidthChooser:
+    """Which `verify_widths` width a step verifies host-side trees at, given what
+    each width costs and how many of its nodes the target has been accepting.
+
+    `narrowest` keeps every node; at 8 sequences a step that costs more than it
+    wins: the n-gram drafter's 9-row trees made batch-8 decoding 0.89x AR, since
+    one row with a match kept the whole batch at full width. This picks, among the
+    widths no wider than `narrowest`'s, the one with the most expected tokens per
+    unit of cost,
+
+        (active rows + rate * nodes kept) / cost(width),
+
+    where a width keeps each row's first `width` nodes (a prefix of a topological
+    order is a tree: every kept node's parent is kept), `cost(width)` is the verify
+    cost relative to a plain decode step (`cost(0) == 1`), and `rate` is the share
+    of verified nodes the target accepted, learnt from the verdicts (exponential
+    average, starting from `prior`). Steps that verify nothing pull `rate` back
+    towards `prior`, so a drafter that was skipped gets tried again later.
+
+    Everything here is a function of the costs and the verdicts so far: no timing
+    of its own, so a seeded run repeats its choices (and its output).
+    """
+
+    def __init__(self, cost, *, prior: float = 0.5, learn: float = 0.1, relax: float = 0.02):
+        self.cost = cost  # width -> verify cost relative to a plain decode step
+        self.prior, self.learn, self.relax = prior, learn, relax
+        self.rate = prior
+
+    def choose(self, parents: np.ndarray, active: np.ndarray) -> int:
+        """The width to verify trees `parents` i32[S, N] (already `narrowest`) at."""
+        n = parents.shape[1]
+        rows = np.asarray(active, bool)
+        real = parents[rows] >= -1  # [rows, N]
+        best, best_value, floor = 0, float(rows.sum()), 1.0
+        for w in verify_widths(n)[1:]:
+            floor = max(floor, self.cost(w))  # a wider block never costs less (noise aside)
+            value = (rows.sum() + self.rate * real[:, :w].sum()) / floor
+            if value > best_value:
+                best, best_value = w, value
+        return best
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """One step's totals over its active rows: nodes verified, nodes accepted."""
+        if verified > 0:
+            self.rate += self.learn * (accepted / verified - self.rate)
+        else:
+            self.rate += self.relax * (self.prior - self.rate)
+
+
+def truncate(tree: DraftBatch, width: int) -> DraftBatch:
+    """Each host tree's first `width` nodes (their draft probs too): still trees,
+    since a node's parent comes before it."""
+    if width >= tree.tokens.shape[1]:
         return tree
+    probs = tree.draft_probs
     return DraftBatch(
         tree.tokens[:, :width],
         tree.parents[:, :width],
@@ -267,6 +329,8 @@ class TargetWorker:
             stacked=self.kernel == "megakernel",  # the kernel streams [L, ...] weights
         )
         self._libraries: dict[int, str] = {}  # verify rows -> dot library (CPU, `sizing`)
+        self._width_costs: dict[int, float] = {}
+        self.widths = WidthChooser(self.width_cost)  # host trees' verify width
 
     @property
     def cache_lens(self) -> np.ndarray:
@@ -296,6 +360,9 @@ class TargetWorker:
         r = self.runner
         full = tree.tokens.shape[1]
         tree = narrowest(tree, active)
+        host = isinstance(tree.parents, np.ndarray)
+        if host and tree.tokens.shape[1] > 0:
+            tree = truncate(tree, self.widths.choose(tree.parents, active))
         slots = np.where(active, np.arange(r.num_slots, dtype=np.int32), -1).astype(np.int32)
         # The megakernel's in-kernel greedy walk knows no repetition penalty: steps with
         # a penalised row take the XLA verify, which computes the same verdict otherwise.
@@ -305,6 +372,8 @@ class TargetWorker:
                                         library)  # fmt: skip
         emitted, num, accepted = np.asarray(emitted), np.asarray(num), np.asarray(accepted)
         r.cache_lens[active] += 1 + num[active]
+        if host:
+            self.widths.observe(int((tree.parents[active] >= -1).sum()), int(num[active].sum()))
         if (pad := full - tree.tokens.shape[1]) > 0:  # callers get the width they sent
             emitted = np.pad(emitted, ((0, 0), (0, pad)), constant_values=-1)
             accepted = np.pad(accepted, ((0, 0), (0, pad)), constant_values=-1)
@@ -312,6 +381,23 @@ class TargetWorker:
 
     def release(self, slot: int) -> None:
         self.runner.release(slot)
+
+    def width_cost(self, width: int) -> float:
+        """A verify of trees `width` nodes wide relative to a plain decode step, by the
+        weight products' timings at those row counts (`sizing.cached_costs`, in the
+        faster library). 1 for a model whose products are not what a step waits on
+        (below `sizing.LIBRARY_MIN_BYTES`): there every width costs about the same."""
+        if width not in self._width_costs:
+            dtype = self.runner.params["embed"].dtype
+            if weight_bytes(self.cfg, dtype) < LIBRARY_MIN_BYTES:
+                self._width_costs[width] = 1.0
+            else:
+                s = self.runner.num_slots
+                rows = [s, s * (width + 1)]
+                costs = cached_costs(self.cfg, dtype, rows)
+                best = {m: min(c[m] for c in costs.values()) for m in rows}
+                self._width_costs[width] = best[rows[1]] / best[rows[0]]
+        return self._width_costs[width]
 
     def dot_library(self, rows: int) -> str:
         """The CPU dot library for a verify over `rows` query rows: the one whose

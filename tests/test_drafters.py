@@ -12,7 +12,7 @@ from specdec.draft.ngram import NgramDrafter
 from specdec.sizing import CANDIDATES, plan_tree
 from specdec.verify.batch import SamplingBatch
 from specdec.verify.tree import ChildSampling
-from specdec.workers import narrowest, verify_widths
+from specdec.workers import WidthChooser, narrowest, truncate, verify_widths
 
 
 def test_ngram_continuations_by_hand():
@@ -77,6 +77,46 @@ def test_narrowest_slices_draft_probs_and_leaves_device_trees_alone():
     np.testing.assert_array_equal(n.draft_probs, b.draft_probs[:, :5])
     on_device = DraftBatch(jnp.asarray(b.tokens), jnp.asarray(b.parents), None, b.child_sampling)
     assert narrowest(on_device, np.ones(2, bool)) is on_device
+
+
+def test_truncate_keeps_each_trees_first_nodes():
+    b = _trees([-1, 0, 1, -1, 3], [-1, -1])
+    b.draft_probs = np.arange(2 * 9 * 3, dtype=np.float32).reshape(2, 9, 3)
+    t = truncate(b, 4)
+    assert t.parents.tolist() == [[-1, 0, 1, -1], [-1, -1, -2, -2]]
+    assert t.tokens[0].tolist() == [10, 11, 12, 13]
+    np.testing.assert_array_equal(t.draft_probs, b.draft_probs[:, :5])
+    assert truncate(b, 8) is b and truncate(b, 0).tokens.shape == (2, 0)
+
+
+def test_width_chooser_weighs_nodes_against_cost():
+    active = np.array([True, True, False])
+    b = _trees([-1, 0, 1, 2, 3, 4], [-1], [-1] * 8)  # 6, 1 and (inactive, not counted) 8
+    flat = WidthChooser(lambda w: 1.0)
+    assert flat.choose(b.parents, active) == 8  # as cheap as a decode: keep every node
+    # cost(4) = 1.5, cost(8) = 3: value(0) = 2, value(4) = (2 + .5 * 5) / 1.5 = 3,
+    # value(8) = (2 + .5 * 7) / 3 = 1.83.
+    steep = WidthChooser(lambda w: {4: 1.5, 8: 3.0}[w])
+    assert steep.choose(b.parents, active) == 4
+    dear = WidthChooser(lambda w: 4.0)
+    assert dear.choose(b.parents, active) == 0  # (2 + .5 * 7) / 4 < 2
+    assert dear.choose(b.parents, np.zeros(3, bool)) == 0
+    # A wider width that timed cheaper counts as the narrower one's cost (noise).
+    noisy = WidthChooser(lambda w: {4: 1.5, 8: 1.0}[w])
+    assert noisy.choose(b.parents, active) == 8  # value(8) = (2 + 3.5) / 1.5 = 3.67
+
+
+def test_width_chooser_learns_the_acceptance_rate():
+    c = WidthChooser(lambda w: 1.0, prior=0.5, learn=0.5, relax=0.5)
+    c.observe(verified=10, accepted=1)  # 0.5 -> 0.5 + 0.5 * (0.1 - 0.5)
+    assert c.rate == pytest.approx(0.3)
+    c.observe(verified=0, accepted=0)  # nothing verified: back towards the prior
+    assert c.rate == pytest.approx(0.4)
+    low = WidthChooser(lambda w: {4: 1.5, 8: 3.0}[w], prior=0.5, learn=1.0)
+    parents = _trees([-1, 0, 1]).parents
+    assert low.choose(parents, np.ones(1, bool)) == 4  # (1 + .5 * 3) / 1.5 > 1
+    low.observe(verified=3, accepted=0)
+    assert low.choose(parents, np.ones(1, bool)) == 0  # nothing accepted: rate 0
 
 
 def test_uniforms_are_prefix_stable():

@@ -93,6 +93,39 @@ def test_greedy_equality_ngram(target_dir, prompts, reference, max_depth, topk):
     assert 0 in widths and set(widths) <= {0, 4, 8} and len(set(widths)) > 1
 
 
+def test_greedy_equality_ngram_truncated_by_cost(target_dir, prompts, reference):
+    """Where a wide verify costs more than its nodes win (`workers.WidthChooser`), host
+    trees are cut to a narrower width, or not verified at all: outputs unchanged."""
+    llm = spec_llm(target_dir, method="ngram", num_speculative_tokens=8, max_depth=8, topk=2)
+    target = llm.engine.target
+    target._width_costs.update({4: 1.2, 8: 50.0})  # as if 9 rows cost 50 decode steps
+    choose, cuts = target.widths.choose, []
+
+    def spy(parents, active):
+        width = choose(parents, active)
+        cuts.append((parents.shape[1], width))
+        return width
+
+    target.widths.choose = spy
+    verify, widths = target._verify, []
+
+    def spy_verify(r, cfg, roots, tree, *args):
+        widths.append(tree.tokens.shape[1])
+        return verify(r, cfg, roots, tree, *args)
+
+    target._verify = spy_verify
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert out == reference
+    assert (8, 4) in cuts and all(w <= 4 for _, w in cuts)
+    assert set(widths) == {0, 4}  # what was verified is what was chosen
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+    target._width_costs.update({4: 50.0})  # nothing pays: plain decoding, same tokens
+    before = llm.get_metrics()["num_accepted_tokens"]
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts[:20], GREEDY, use_tqdm=False)]
+    assert out == reference[:20]
+    assert llm.get_metrics()["num_accepted_tokens"] == before and cuts[-1][1] == 0
+
+
 def test_tree_reaches_chain_acceptance_length(target_dir, prompts):
     few = prompts[:8]
     chain = spec_llm(target_dir, target_dir, num_speculative_tokens=4, max_depth=4, topk=1)
