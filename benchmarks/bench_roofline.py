@@ -103,6 +103,7 @@ def main() -> None:
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     target = TargetWorker(cfg, params, num_slots=1, max_model_len=max_len,
                           max_tree_nodes=max(sizes))  # fmt: skip
+    target.widths = None  # verify every node of each timed tree (its tokens are never accepted)
     sampling = SamplingBatch.make_dummy(1)
     active = np.ones(1, bool)
     prompt = [1 + i % (cfg.vocab_size - 1) for i in range(args.context)]

@@ -330,7 +330,9 @@ class TargetWorker:
         )
         self._libraries: dict[int, str] = {}  # verify rows -> dot library (CPU, `sizing`)
         self._width_costs: dict[int, float] = {}
-        self.widths = WidthChooser(self.width_cost)  # host trees' verify width
+        # Host trees' verify width; None = always the narrowest that holds every node
+        # (what a benchmark of the verify cost per tree size needs).
+        self.widths: WidthChooser | None = WidthChooser(self.width_cost)
 
     @property
     def cache_lens(self) -> np.ndarray:
@@ -360,7 +362,7 @@ class TargetWorker:
         r = self.runner
         full = tree.tokens.shape[1]
         tree = narrowest(tree, active)
-        host = isinstance(tree.parents, np.ndarray)
+        host = isinstance(tree.parents, np.ndarray) and self.widths is not None
         if host and tree.tokens.shape[1] > 0:
             tree = truncate(tree, self.widths.choose(tree.parents, active))
         slots = np.where(active, np.arange(r.num_slots, dtype=np.int32), -1).astype(np.int32)
