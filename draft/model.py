@@ -419,7 +419,8 @@ def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, pena
 
     After that write the cache is only read: the pending tokens' and the tree
     levels' K/V go to a side buffer (`transformer.SideKV`, side positions
-    [0, P) pending, P + o region offset o), which `commit` writes back.
+    [0, P) pending, P + o region offset o), which `commit` writes back. Row s
+    is slot s (`slots[s]` is s, or -1 for an inactive row).
 
     Returns tokens i32[B, N], parents i32[B, N] (-1 = child of root), expanded
     i32[B, N] (the node's K/V offset from the root position, -1 if never run),
@@ -458,7 +459,7 @@ def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, pena
     def run(tokens, tok_positions, mask, at, side, logit_index=None):
         logits, ks, vs = transformer.block_logits_kv(
             params, cache, tokens, tok_positions, mask, slots, cache_lens, logit_index,
-            cfg=cfg, kv_len=kv_len, side=dataclasses.replace(side, at=at),
+            cfg=cfg, kv_len=kv_len, side=dataclasses.replace(side, at=at), rows_are_slots=True,
         )  # fmt: skip
         return logits, dataclasses.replace(side, k=ks, v=vs)
 

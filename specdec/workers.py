@@ -57,7 +57,7 @@ def _verify_step(
     tokens: jax.Array,  # i32[B, N]
     parents: jax.Array,  # i32[B, N], < -1 = padding
     draft_probs: jax.Array | None,  # f32[B, N+1, V] q per node; None for top-k / n-gram trees
-    slots: jax.Array,  # i32[B], -1 = inactive row
+    slots: jax.Array,  # i32[B]: row s is slot s of the cache, or -1 (inactive)
     cache_lens: jax.Array,  # i32[B]
     sampling: SamplingBatch,
     *,
@@ -77,8 +77,9 @@ def _verify_step(
     b, n = tokens.shape
     block, positions, mask = tree_block(roots, tokens, parents, cache_lens)
     logits, ks, vs = transformer.block_logits_kv(
-        params, cache, block, positions, mask, slots, cache_lens, cfg=cfg, kv_len=kv_len
-    )
+        params, cache, block, positions, mask, slots, cache_lens, cfg=cfg, kv_len=kv_len,
+        rows_are_slots=True,
+    )  # fmt: skip
     logits = sampling.penalize(logits, block, mask)  # before greedy and sampled choices alike
     is_greedy = sampling.temperature == 0
     argmax = jnp.argmax(logits, axis=-1)  # [B, N+1], lowest id on ties
