@@ -14,7 +14,9 @@ Walk-through of one `LLMEngine.step()`:
    (`TargetWorker.verify`). Each row yields its accepted tokens plus one bonus
    token. Trees on the host (an n-gram drafter's) are verified at the narrowest
    of a few fixed widths that holds them (`workers.narrowest`): a step with no
-   tree at all costs a plain decode step.
+   tree at all costs a plain decode step. Where the nodes past a narrower width
+   (or all of them) are expected to win less than their verify costs, each
+   tree is cut to that width (`workers.WidthChooser`).
 4. **Commit.** The engine appends those tokens one by one, applying the stop
    rules *inside* the run: a stop token id, EOS (unless `ignore_eos`), a stop
    string, `max_tokens` and `max_model_len` end the output at the exact token,

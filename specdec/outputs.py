@@ -18,7 +18,9 @@ FinishReason = Literal["stop", "length", "error"]
 class SpecDecodeMetrics:
     """Running totals of speculative steps (vLLM's names)."""
 
-    num_drafts: int = 0  # speculative steps that verified a non-empty tree
+    # Counted as proposed: a target that verifies only a prefix of a host tree, or none
+    # of it, where that pays better (`workers.WidthChooser`), still counts every node.
+    num_drafts: int = 0  # speculative steps whose drafter proposed a non-empty tree
     num_draft_tokens: int = 0  # tree nodes proposed over those steps
     num_accepted_tokens: int = 0  # tree nodes accepted (bonus tokens not counted)
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)  # [depth-1]
