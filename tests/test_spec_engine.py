@@ -71,21 +71,25 @@ def test_greedy_equality_unrelated_draft(target_dir, unrelated_dir, prompts, ref
     assert llm.get_metrics()["acceptance_rate"] < 0.1
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("max_depth", "topk"), [(4, 1), (4, 3)])
-def test_greedy_equality_ngram(target_dir, prompts, reference, max_depth, topk):
-    llm = spec_llm(
-        target_dir, method="ngram", num_speculative_tokens=8, max_depth=max_depth, topk=topk
-    )
-    widths = []
-    target = llm.engine.target
-    verify = target._verify
+def spy_verify_widths(target) -> list[int]:
+    """The width of every tree `target` verifies from now on, in order."""
+    verify, widths = target._verify, []
 
     def spy(r, cfg, roots, tree, *args):
         widths.append(tree.tokens.shape[1])
         return verify(r, cfg, roots, tree, *args)
 
     target._verify = spy
+    return widths
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("max_depth", "topk"), [(4, 1), (4, 3)])
+def test_greedy_equality_ngram(target_dir, prompts, reference, max_depth, topk):
+    llm = spec_llm(
+        target_dir, method="ngram", num_speculative_tokens=8, max_depth=max_depth, topk=topk
+    )
+    widths = spy_verify_widths(llm.engine.target)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert out == reference
     assert llm.get_metrics()["num_accepted_tokens"] > 0
@@ -107,13 +111,7 @@ def test_greedy_equality_ngram_truncated_by_cost(target_dir, prompts, reference)
         return width
 
     target.widths.choose = spy
-    verify, widths = target._verify, []
-
-    def spy_verify(r, cfg, roots, tree, *args):
-        widths.append(tree.tokens.shape[1])
-        return verify(r, cfg, roots, tree, *args)
-
-    target._verify = spy_verify
+    widths = spy_verify_widths(target)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert out == reference
     assert (8, 4) in cuts and all(w <= 4 for _, w in cuts)
