@@ -200,8 +200,10 @@ class WidthChooser:
     average, starting from `prior`). Steps that verify nothing pull `rate` back
     towards `prior`, so a drafter that was skipped gets tried again later.
 
-    Everything here is a function of the costs and the verdicts so far: no timing
-    of its own, so a seeded run repeats its choices (and its output).
+    Everything here is a function of the costs and the verdicts so far, with no
+    timing of its own: given the same cost table (timed once per machine and
+    model shape, then kept in $SPECDEC_CACHE) a seeded run repeats its choices,
+    and so its output.
     """
 
     def __init__(self, cost, *, prior: float = 0.5, learn: float = 0.1, relax: float = 0.02):
