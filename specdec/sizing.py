@@ -124,13 +124,18 @@ def product_costs(
     return out
 
 
+def fastest(costs: dict[str, dict[int, float]]) -> dict[int, float]:
+    """Per row count, the seconds of the faster library in `product_costs`' table."""
+    return {m: min(c[m] for c in costs.values()) for m in next(iter(costs.values()))}
+
+
 def plan_from_costs(costs: dict[str, dict[int, float]], batch: int = 1) -> TreePlan:
     """The best candidate tree for per-library product timings at `batch` rows (one
     decode step of `batch` sequences) and batch * (N + 1) rows (their trees).
 
     cost(N) = best library's time at batch * (N + 1) rows / its time at `batch` rows;
     candidates with no timing are not considered."""
-    best = {m: min(c[m] for c in costs.values()) for m in next(iter(costs.values()))}
+    best = fastest(costs)
     base = best[batch]
     cost, score, library = {}, {}, {}
     floor = 1.0  # a bigger block never costs less (timing noise aside)
@@ -224,8 +229,7 @@ def faster_dtype(cfg: ModelConfig, rows: int, dtypes=("bfloat16", "float32")) ->
     least time at `rows` rows here; a tie goes to the first."""
     best = {}
     for name in dtypes:
-        costs = cached_costs(cfg, jnp.dtype(name), [rows])
-        best[name] = min(c[rows] for c in costs.values())
+        best[name] = fastest(cached_costs(cfg, jnp.dtype(name), [rows]))[rows]
     return min(dtypes, key=best.__getitem__)
 
 
@@ -247,6 +251,6 @@ def describe(plan: TreePlan) -> str:
 
 __all__ = [
     "CANDIDATES", "LIBRARY_MIN_BYTES", "TreePlan", "best_library", "cached_costs", "cached_plan",
-    "describe", "faster_dtype", "libraries", "plan_from_costs", "plan_tree", "product_costs",
-    "weight_bytes", "weight_shapes",
+    "describe", "faster_dtype", "fastest", "libraries", "plan_from_costs", "plan_tree",
+    "product_costs", "weight_bytes", "weight_shapes",
 ]  # fmt: skip

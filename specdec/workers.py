@@ -40,6 +40,7 @@ from specdec.sizing import (
     cached_costs,
     cached_plan,
     describe,
+    fastest,
     weight_bytes,
 )
 from specdec.verify.acceptance import ACCEPTANCE_RULES, Verdict, emitted_tokens, greedy_accept
@@ -398,10 +399,8 @@ class TargetWorker:
                 self._width_costs[width] = 1.0
             else:
                 s = self.runner.num_slots
-                rows = [s, s * (width + 1)]
-                costs = cached_costs(self.cfg, dtype, rows)
-                best = {m: min(c[m] for c in costs.values()) for m in rows}
-                self._width_costs[width] = best[rows[1]] / best[rows[0]]
+                best = fastest(cached_costs(self.cfg, dtype, [s, s * (width + 1)]))
+                self._width_costs[width] = best[s * (width + 1)] / best[s]
         return self._width_costs[width]
 
     def dot_library(self, rows: int) -> str:
