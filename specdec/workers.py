@@ -159,6 +159,15 @@ def verify_widths(n: int) -> tuple[int, ...]:
     return tuple(sorted(widths))
 
 
+def on_host(tree: DraftBatch) -> bool:
+    """Whether every array of `tree` is numpy: its size can be read without waiting
+    for a drafter still computing it on the device."""
+    probs = tree.draft_probs
+    return all(isinstance(a, np.ndarray) for a in (tree.tokens, tree.parents)) and (
+        probs is None or isinstance(probs, np.ndarray)
+    )
+
+
 def narrowest(tree: DraftBatch, active: np.ndarray) -> DraftBatch:
     """The same trees at the narrowest `verify_widths` width that holds every
     active row's nodes, so a step whose drafter found little to propose (an n-gram
@@ -172,9 +181,7 @@ def narrowest(tree: DraftBatch, active: np.ndarray) -> DraftBatch:
     Example: width 8, active rows with 0 and 3 nodes -> width 4.
     """
     n = tree.tokens.shape[1]
-    probs = tree.draft_probs
-    on_host = all(isinstance(a, np.ndarray) for a in (tree.tokens, tree.parents))
-    if n == 0 or not on_host or not (probs is None or isinstance(probs, np.ndarray)):
+    if n == 0 or not on_host(tree):
         return tree
     real = tree.parents[np.asarray(active, bool)] >= -1  # [rows, N]
     cols = np.flatnonzero(real.any(axis=0))
@@ -366,7 +373,7 @@ class TargetWorker:
         r = self.runner
         full = tree.tokens.shape[1]
         tree = narrowest(tree, active)
-        host = isinstance(tree.parents, np.ndarray) and self.widths is not None
+        host = self.widths is not None and on_host(tree)
         if host and tree.tokens.shape[1] > 0:
             tree = truncate(tree, self.widths.choose(tree.parents, active))
         slots = np.where(active, np.arange(r.num_slots, dtype=np.int32), -1).astype(np.int32)
