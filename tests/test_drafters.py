@@ -119,6 +119,26 @@ def test_width_chooser_learns_the_acceptance_rate():
     assert low.choose(parents, np.ones(1, bool)) == 0  # nothing accepted: rate 0
 
 
+def test_width_cost_is_the_faster_librarys_product_ratio(pair, monkeypatch):
+    """A model big enough for its products to matter: cost(width) = the faster library's
+    seconds at S * (width + 1) rows over its seconds at S rows (one decode step)."""
+    from specdec import workers
+
+    target = LLM(pair, max_model_len=64, max_num_seqs=2).engine.target
+    asked = []
+
+    def fake_costs(cfg, dtype, rows):
+        asked.append(list(rows))
+        return {"default": {2: 1.0, 10: 3.0}, "eigen": {2: 0.5, 10: 4.0}}
+
+    monkeypatch.setattr(workers, "weight_bytes", lambda cfg, dtype: 1 << 30)
+    monkeypatch.setattr(workers, "cached_costs", fake_costs)
+    assert target.width_cost(4) == pytest.approx(3.0 / 0.5)
+    assert target.width_cost(4) == pytest.approx(6.0) and asked == [[2, 10]]  # remembered
+    monkeypatch.setattr(workers, "weight_bytes", lambda cfg, dtype: 1 << 10)
+    assert target.width_cost(8) == 1.0  # products too small to matter: every width alike
+
+
 def test_uniforms_are_prefix_stable():
     """A verify at a narrower width draws the same numbers for the nodes it keeps
     (`workers.narrowest`): uniforms(n) must start with uniforms(m) for m < n."""
