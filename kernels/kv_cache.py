@@ -38,6 +38,7 @@ class ModelRunner:
         prefill_chunk: int = 512,
         stacked: bool = False,  # keep [L, ...] layer weights (what the megakernel streams)
         fuse: bool = False,  # one product for q|k|v and one for gate|up (`fuse_projections`)
+        decode_copies: bool = False,  # [out, in] copies for one-row steps, where they pay
     ):
         self.cfg = cfg
         # Per-layer arrays: XLA on CPU streams them 3.4x faster than scanned slices.
@@ -46,6 +47,12 @@ class ModelRunner:
             self.params = transformer.untie_head(self.params)
         if fuse and not stacked:
             self.params = transformer.fuse_projections(self.params)
+        if decode_copies and not stacked:
+            copied = [w for lp in self.params["layers"] for k, w in lp.items()
+                      if k in transformer.DECODE_KEYS] + [self.params.get("lm_head")]  # fmt: skip
+            nbytes = sum(w.nbytes for w in copied if w is not None)
+            if transformer.wants_decode_copies(params["embed"].dtype, nbytes):
+                self.params = transformer.decode_copies(self.params, cfg.tie_word_embeddings)
         self.num_slots = num_slots
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk

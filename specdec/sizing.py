@@ -24,7 +24,7 @@ On CPU each row count is timed under each dot library worth trying
 (`kernels/dot_library.py`: XLA's default YNNPACK path, or its Eigen GEMM for
 float32); cost(N) takes the faster, and the target's verify is compiled for
 the library that won at its row count (`best_library`). Timings are kept per
-machine, dtype and model shape in $SPECDEC_CACHE/product_costs_v1.json.
+machine, dtype and model shape in $SPECDEC_CACHE/product_costs_v2.json.
 """
 
 from __future__ import annotations
@@ -104,9 +104,12 @@ def product_costs(
             break
         shapes.append(shape)
         total += shape[0] * shape[1] * itemsize
-    ws = [jnp.full(shape, 0.01, dtype) for shape in shapes]
+    ws = [{"w": jnp.full(shape, 0.01, dtype)} for shape in shapes]
+    if transformer.wants_decode_copies(dtype, weight_bytes(cfg, dtype)):
+        # One-row steps read [out, in] copies (`transformer.decode_copies`): time those.
+        ws = [{**w, "w_t": jnp.transpose(w["w"])} for w in ws]
     jits = dot_library.jit_each(
-        lambda ws, xs: [transformer.matmul(x, w) for x, w in zip(xs, ws, strict=True)]
+        lambda ws, xs: [transformer.linear(w, "w", x) for x, w in zip(xs, ws, strict=True)]
     )
     out: dict[str, dict[int, float]] = {}
     for name in libraries(cfg, dtype):
@@ -169,7 +172,7 @@ def cached_costs(cfg: ModelConfig, dtype, rows: list[int]) -> dict[str, dict[int
     """`product_costs`, remembered per machine, backend, dtype and model shape in
     $SPECDEC_CACHE (default ~/.cache/specdec); only missing row counts are timed."""
     home = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
-    path = home / "product_costs_v1.json"
+    path = home / "product_costs_v2.json"
     key = _cache_key(cfg, dtype)
     try:
         table = json.loads(path.read_text())

@@ -338,6 +338,7 @@ class TargetWorker:
             max_len=max_model_len + max_tree_nodes + 1,
             prefill_chunk=prefill_chunk,
             stacked=self.kernel == "megakernel",  # the kernel streams [L, ...] weights
+            decode_copies=num_slots == 1,  # then every plain decode step is one row
         )
         self._libraries: dict[int, str] = {}  # verify rows -> dot library (CPU, `sizing`)
         self._width_costs: dict[int, float] = {}

@@ -56,6 +56,74 @@ def test_untie_head_gives_the_same_logits():
     assert "lm_head" not in ModelRunner(cfg, stacked, num_slots=1, max_len=32, stacked=True).params
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_decode_copies_serve_one_row_products_and_only_those(tied):
+    cfg = tiny_config(tie_word_embeddings=tied)
+    params = transformer.untie_head(unstack_layers(init_params(cfg, jax.random.key(0))))
+    copies = transformer.decode_copies(params, tied)
+    for lp, cp in zip(params["layers"], copies["layers"], strict=True):
+        names = [k for k in transformer.DECODE_KEYS if k in lp]
+        assert names and {k + "_t" for k in names} <= set(cp)
+        for k in names:
+            np.testing.assert_array_equal(cp[k + "_t"], np.asarray(lp[k]).T)
+    if tied:  # the tied head's [V, D] layout is the embedding itself: no copy
+        assert copies["lm_head_t"] is params["embed"]
+    else:
+        np.testing.assert_array_equal(copies["lm_head_t"], np.asarray(params["lm_head"]).T)
+    rng = np.random.default_rng(0)
+    one = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 1)), jnp.int32)
+    np.testing.assert_allclose(
+        transformer.prefill_logits(copies, cfg, one, [1]),
+        transformer.prefill_logits(params, cfg, one, [1]), rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
+    # One row reads the copies, more rows the originals: spoil the copies to see which.
+    spoiled = {**copies, "lm_head_t": jnp.zeros_like(copies["lm_head_t"])}
+    assert not np.any(transformer.prefill_logits(spoiled, cfg, one, [1]))
+    two = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 2)), jnp.int32)
+    np.testing.assert_array_equal(
+        transformer.prefill_logits(spoiled, cfg, two, [2]),
+        transformer.prefill_logits(params, cfg, two, [2]),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="per-layer params"):
+        transformer.decode_copies(init_params(cfg, jax.random.key(0)), tied)
+
+
+def test_runner_makes_decode_copies_for_one_float32_slot_only():
+    cfg = tiny_config()
+    params = init_params(cfg, jax.random.key(0))
+
+    def copied(**kw):
+        runner = ModelRunner(cfg, params if kw.get("stacked") else {**params}, max_len=32, **kw)
+        return "lm_head_t" in runner.params
+
+    assert copied(num_slots=1, decode_copies=True)
+    assert not copied(num_slots=1)  # the drafter's runner
+    assert not copied(num_slots=1, decode_copies=True, stacked=True)  # megakernel layout
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    assert "lm_head_t" not in ModelRunner(cfg, bf16, num_slots=1, max_len=32,
+                                          decode_copies=True).params  # fmt: skip
+    assert "lm_head_t" in workers.TargetWorker(cfg, params, num_slots=1,
+                                               max_model_len=32).runner.params  # fmt: skip
+    assert "lm_head_t" not in workers.TargetWorker(cfg, params, num_slots=2,
+                                                   max_model_len=32).runner.params  # fmt: skip
+
+
+def test_product_costs_time_one_row_in_the_layout_the_runner_reads(monkeypatch):
+    seen = []
+    linear = transformer.linear
+
+    def spy(p, name, x):
+        seen.append((x.shape[0], name + "_t" in p))
+        return linear(p, name, x)
+
+    monkeypatch.setattr(transformer, "linear", spy)
+    sizing.product_costs(tiny_config(), jnp.float32, [1, 3])
+    assert seen and all(has_t for _, has_t in seen)  # float32: copies, read at one row
+    seen.clear()
+    sizing.product_costs(tiny_config(), jnp.bfloat16, [1])
+    assert seen and not any(has_t for _, has_t in seen)
+
+
 def test_verify_step_same_verdict_under_both_libraries(tmp_path):
     """Greedy verdicts and K/V of one tree verify match between the compiled copies."""
     target = tiny_pair(tmp_path / "t")
@@ -110,7 +178,7 @@ def test_plan_and_best_library_use_the_faster_library(monkeypatch, tmp_path):
     assert sizing.best_library(cfg, jnp.bfloat16, 9) == "default"  # nothing to choose
     # Timings are remembered: a second lookup times nothing new.
     assert calls == [[1, 6], [9], [17], [5]]  # rows 9 was already timed by the plan
-    table = json.loads((tmp_path / "cache" / "product_costs_v1.json").read_text())
+    table = json.loads((tmp_path / "cache" / "product_costs_v2.json").read_text())
     assert set(next(iter(table.values()))) == {"default", "eigen"}
     sizing.best_library(cfg, jnp.float32, 9)
     sizing.cached_plan(cfg, jnp.float32)
