@@ -97,6 +97,10 @@ def param_specs(cfg: ModelConfig, params: Params, tp: int) -> Params:
     def one(path, leaf):
         name = next((k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey)), "")
         rule = RULES.get(name)
+        if rule is None and name.endswith("_t") and name[:-2] in RULES:
+            # An [out, in] copy (`transformer.decode_copies`): its original's cut, transposed.
+            axis, dim = RULES[name[:-2]]
+            rule = (-3 - axis, dim)
         if tp == 1 or rule is None or not ok[rule[1]]:
             return _spec(np.ndim(leaf), None)
         return _spec(np.ndim(leaf), rule[0])

@@ -47,6 +47,20 @@ def test_specs_fit_unstacked_layers_and_one_device():
     assert sharding.describe(cfg, 4)["embed"] == "replicated"
 
 
+def test_decode_copies_are_cut_like_their_originals_transposed():
+    from specdec.kernels.transformer import decode_copies, untie_head
+
+    cfg = tiny_config()  # H=4, F=64, V=320 divide by 4; K=2 does not
+    params = decode_copies(untie_head(unstack_layers(init_params(cfg, jax.random.key(0)))),
+                           tied=False)  # fmt: skip
+    specs = sharding.param_specs(cfg, params, 4)
+    lay = specs["layers"][0]
+    assert lay["wq"] == P(None, "tp") and lay["wq_t"] == P("tp", None)
+    assert lay["wo"] == P("tp", None) and lay["wo_t"] == P(None, "tp")
+    assert lay["w_down_t"] == P(None, "tp") and lay["wk_t"] == P()  # K=2 stays whole
+    assert specs["lm_head"] == P(None, "tp") and specs["lm_head_t"] == P("tp", None)
+
+
 CHILD = textwrap.dedent(
     """
     import sys
@@ -62,16 +76,19 @@ CHILD = textwrap.dedent(
     prompts = [{{"prompt_token_ids": rng.integers(0, 300, n).tolist()}}
                for n in rng.integers(1, 30, 12)]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    for kv in (4, 1):  # cache cut by K/V heads; one K/V head (replicated)
-        d = Path({tmp!r}) / f"kv{{kv}}"
+    # cache cut by K/V heads; one K/V head (replicated); one slot (decode copies, cut too)
+    for kv, seqs in ((4, 4), (1, 4), (4, 1)):
+        d = Path({tmp!r}) / f"kv{{kv}}_{{seqs}}"
         v = write_tokenizer(d)
         write_model(d, tiny_config(v, num_kv_heads=kv), scale=30.0)
-        llm = LLM(d, max_model_len=64, max_num_seqs=4)
-        ref = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        llm = LLM(d, max_model_len=64, max_num_seqs=seqs)
+        some = prompts[: 4 * seqs]  # one slot runs them one by one: fewer
+        ref = [o.outputs[0].token_ids for o in llm.generate(some, greedy, use_tqdm=False)]
         runner = llm.engine.target.runner
+        assert ("lm_head_t" in runner.params) == (seqs == 1)
         sharding.shard_runner(runner, sharding.make_mesh())
-        out = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        assert out == ref, kv
+        out = [o.outputs[0].token_ids for o in llm.generate(some, greedy, use_tqdm=False)]
+        assert out == ref, (kv, seqs)
         spec = runner.cache.k.sharding.spec
         print(kv, "cache", spec, "wq", jax.tree.leaves(runner.params)[0].sharding.spec)
         assert (spec == sharding.cache_spec(llm.config, 4)), spec
