@@ -23,8 +23,12 @@ The draft's cost is not counted (yet).
 On CPU each row count is timed under each dot library worth trying
 (`kernels/dot_library.py`: XLA's default YNNPACK path, or its Eigen GEMM for
 float32); cost(N) takes the faster, and the target's verify is compiled for
-the library that won at its row count (`best_library`). Timings are kept per
-machine, dtype and model shape in $SPECDEC_CACHE/product_costs_v2.json.
+the library that won at its row count (`best_library`). One row is timed in
+the layout a one-slot float32 target reads then, its [out, in] copies
+(`transformer.decode_copies`; 2.25 against 2.43 ms on the demo target on a
+Zen 5, which makes every tree relatively dearer there). Timings are kept per
+machine, dtype and model shape in $SPECDEC_CACHE/product_costs_v2.json (v1
+timed one row in the [in, out] layout).
 """
 
 from __future__ import annotations
