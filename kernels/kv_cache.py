@@ -47,12 +47,9 @@ class ModelRunner:
             self.params = transformer.untie_head(self.params)
         if fuse and not stacked:
             self.params = transformer.fuse_projections(self.params)
-        if decode_copies and not stacked:
-            copied = [w for lp in self.params["layers"] for k, w in lp.items()
-                      if k in transformer.DECODE_KEYS] + [self.params.get("lm_head")]  # fmt: skip
-            nbytes = sum(w.nbytes for w in copied if w is not None)
-            if transformer.wants_decode_copies(params["embed"].dtype, nbytes):
-                self.params = transformer.decode_copies(self.params, cfg.tie_word_embeddings)
+        copies = decode_copies and transformer.wants_decode_copies(cfg, params["embed"].dtype)
+        if copies and not stacked:
+            self.params = transformer.decode_copies(self.params, cfg.tie_word_embeddings)
         self.num_slots = num_slots
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk

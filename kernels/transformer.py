@@ -220,12 +220,21 @@ DECODE_KEYS = ("wqkv", "wq", "wk", "wv", "wo", "w_gate_up", "w_gate", "w_up", "w
 DECODE_COPIES_MAX_BYTES = 2 << 30
 
 
-def wants_decode_copies(dtype, nbytes: int) -> bool:
-    """Whether one-row products of float32 weights totalling `nbytes` get [out, in]
-    copies here: XLA CPU only, and at most `DECODE_COPIES_MAX_BYTES`. (A one-row
-    bfloat16 product is computed as two rows, `matmul`, where [in, out] is as fast.)"""
+def decode_copy_bytes(cfg: ModelConfig, dtype) -> int:
+    """Bytes of the matrices `decode_copies` copies for this model in `dtype`: every
+    layer's `DECODE_KEYS` matrices (fused or not, the same bytes) and a [D, V] head."""
+    layers = param_shapes(cfg)["layers"]
+    n = sum(math.prod(shape) for k, shape in layers.items() if k in DECODE_KEYS)
+    return (n + cfg.hidden_size * cfg.vocab_size) * jnp.dtype(dtype).itemsize
+
+
+def wants_decode_copies(cfg: ModelConfig, dtype) -> bool:
+    """Whether one-row products of this model's `dtype` weights get [out, in] copies
+    here: float32 on XLA CPU only, and copies of at most `DECODE_COPIES_MAX_BYTES`
+    (`decode_copy_bytes`). (A one-row bfloat16 product is computed as two rows,
+    `matmul`, where [in, out] is as fast.)"""
     return (jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
-            and nbytes <= DECODE_COPIES_MAX_BYTES)  # fmt: skip
+            and decode_copy_bytes(cfg, dtype) <= DECODE_COPIES_MAX_BYTES)  # fmt: skip
 
 
 def decode_copies(params: Params, tied: bool) -> Params:

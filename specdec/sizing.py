@@ -109,7 +109,7 @@ def product_costs(
         shapes.append(shape)
         total += shape[0] * shape[1] * itemsize
     ws = [{"w": jnp.full(shape, 0.01, dtype)} for shape in shapes]
-    if transformer.wants_decode_copies(dtype, weight_bytes(cfg, dtype)):
+    if transformer.wants_decode_copies(cfg, dtype):
         # One-row steps read [out, in] copies (`transformer.decode_copies`): time those.
         ws = [{**w, "w_t": jnp.transpose(w["w"])} for w in ws]
     jits = dot_library.jit_each(

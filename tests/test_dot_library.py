@@ -97,6 +97,9 @@ def test_runner_makes_decode_copies_for_one_float32_slot_only():
         return "lm_head_t" in runner.params
 
     assert copied(num_slots=1, decode_copies=True)
+    params_t = ModelRunner(cfg, {**params}, num_slots=1, max_len=32, decode_copies=True).params
+    made = sum(w.nbytes for lp in params_t["layers"] for k, w in lp.items() if k.endswith("_t"))
+    assert made + params_t["lm_head_t"].nbytes == transformer.decode_copy_bytes(cfg, jnp.float32)
     assert not copied(num_slots=1)  # the drafter's runner
     assert not copied(num_slots=1, decode_copies=True, stacked=True)  # megakernel layout
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
