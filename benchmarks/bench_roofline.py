@@ -53,14 +53,19 @@ CONFIG_SMALL = ModelConfig(
 )  # fmt: skip
 
 
-def best_of(fn, repeats: int) -> float:
-    """Median seconds of `fn()` (which must block) over `repeats` runs."""
+def timings(fn, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn()` (which must block)."""
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return times
+
+
+def best_of(fn, repeats: int) -> float:
+    """Median seconds of `fn()` (which must block) over `repeats` runs."""
+    return float(np.median(timings(fn, repeats)))
 
 
 def measure_bandwidth(gib: float = 1.0, repeats: int = 3) -> float:
@@ -70,12 +75,7 @@ def measure_bandwidth(gib: float = 1.0, repeats: int = 3) -> float:
     x = jnp.ones((n,), jnp.float32)
     f = jax.jit(jnp.sum)
     f(x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return n * 4 / min(times)
+    return n * 4 / min(timings(lambda: f(x).block_until_ready(), repeats))
 
 
 def chain_tree(n: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
