@@ -1,4 +1,4 @@
-"""The two worker actors: `TargetWorker` and `DraftWorker`, one per host of their group.
+"""The two worker actors: `TargetActor` and `DraftActor`, one per host of their group.
 
 Each owns its model, KV cache and devices; the coordinator (cluster/remote.py)
 talks to them only in msgpack messages (cluster/messages.py). Walk-through of
@@ -37,6 +37,7 @@ import uuid
 import numpy as np
 
 from specdec.cluster import messages as m
+from specdec.draft.base import OverlapDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class _Host:
     role = "worker"
 
     def __init__(self, num_devices: int | None, num_hosts: int, rank: int, coordinator: str | None):
-        if num_hosts > 1:  # before any other JAX call (DESIGN.md, Distributed)
+        if num_hosts > 1:  # before any other JAX call (docs/design.md, Distributed)
             import jax
 
             jax.distributed.initialize(coordinator, num_processes=num_hosts, process_id=rank)
@@ -119,7 +120,7 @@ class _Host:
         return ray.util.get_node_ip_address()
 
 
-class TargetWorker(_Host):
+class TargetActor(_Host):
     """The target model sharded over its group's mesh: prefill, verify, restore."""
 
     role = "target"
@@ -139,13 +140,12 @@ class TargetWorker(_Host):
         kernel: str = "auto",
     ):
         super().__init__(num_devices, num_hosts, rank, coordinator)
-        from specdec import workers
-        from specdec.api import default_dtype
+        from specdec import plan, workers
         from specdec.checkpoint import load_model
         from specdec.kernels import sharding
 
-        if dtype == "auto":  # decided here, on the host that runs the products
-            dtype = default_dtype(model, rows=num_slots * (1 + max_tree_nodes))
+        # Decided here, on the host that runs the products (`plan.resolve_dtype`).
+        dtype = plan.resolve_dtype(model, dtype, rows=num_slots * (1 + max_tree_nodes))
         self.dtype = dtype
         self.cfg, params = load_model(model, dtype=dtype)
         self.worker = workers.TargetWorker(
@@ -155,6 +155,9 @@ class TargetWorker(_Host):
             max_model_len=max_model_len,
             max_tree_nodes=max_tree_nodes,
             kernel=kernel,
+            plan=plan.make_plan(
+                self.cfg, dtype=dtype, spec=None, num_slots=num_slots, max_tree_nodes=max_tree_nodes
+            ),
         )
         sharding.shard_runner(self.worker.runner, self.mesh)
         self.num_slots = num_slots
@@ -211,7 +214,7 @@ class TargetWorker(_Host):
         return m.pack("ack", msg["round"])
 
 
-class DraftWorker(_Host):
+class DraftActor(_Host):
     """A drafter (model or n-gram) with overlapped next-tree drafting."""
 
     role = "draft"
@@ -230,29 +233,29 @@ class DraftWorker(_Host):
         coordinator: str | None = None,
     ):
         super().__init__(num_devices, num_hosts, rank, coordinator)
-        from specdec import workers
-        from specdec.api import default_dtype, verify_rows
+        from specdec import plan, workers
         from specdec.checkpoint import load_config
         from specdec.kernels import sharding
         from specdec.params import SpeculativeConfig
 
         spec = SpeculativeConfig.from_dict(spec)
-        if dtype == "auto":  # decided here, for the rows a step verifies (as in-process)
-            dtype = default_dtype(target_model, rows=verify_rows(spec, num_slots))
+        # Decided here, for the rows a step verifies (as in-process), and the tree with it.
+        dtype = plan.resolve_dtype(target_model, dtype, rows=plan.verify_rows(spec, num_slots))
         self.target_cfg = load_config(target_model)
+        tree, note = plan.tree_shape(spec, self.target_cfg, dtype, num_slots)
         self.drafter = workers.build_drafter(
             spec,
+            plan=plan.Plan(dtype=dtype, tree=tree, tree_note=note),
             target_path=target_model,
             target_config=self.target_cfg,
             num_slots=num_slots,
             max_model_len=max_model_len,
-            dtype=dtype,
         )
         runner = getattr(self.drafter, "runner", None)
         if runner is not None and self.mesh.size > 1:
             sharding.shard_runner(runner, self.mesh)
         self.num_slots = num_slots
-        self.can_speculate = hasattr(self.drafter, "speculate")
+        self.can_speculate = isinstance(self.drafter, OverlapDrafter)
         self.spec = None  # the drafter's Speculation about the last proposed tree
         self.spec_round = -1  # the round whose tree the speculation guessed about
         self.hit = np.zeros(num_slots, bool)  # rows whose guess the target confirmed

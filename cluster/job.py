@@ -39,7 +39,7 @@ def _resources(text: str) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    from specdec.cli import add_model_arguments, add_sampling_arguments
+    from specdec.flags import add_model_arguments, add_sampling_arguments
 
     p = argparse.ArgumentParser(prog="python -m specdec.cluster.job", description=__doc__)
     p.add_argument("--input", required=True, type=Path, help="prompts JSONL")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = None
     try:
         from specdec import batch
-        from specdec.cli import sampling_from_args
+        from specdec.flags import sampling_from_args
 
         kwargs = batch.llm_kwargs(args)  # checks the model folder before any Ray work
         if not args.input.is_file():
@@ -109,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             "error_rows": result.errors,
             "skipped": result.skipped,
             **result.summary,
-            "target": llm.engine.target.info,
-            "target_recoveries_s": llm.engine.target.recoveries,
-            "overlap": llm.engine.drafter.overlap_stats() if llm.engine.drafter else None,
+            **(llm.cluster_stats() or {}),
         }
         (args.output / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         logger.info("done: %s", json.dumps({k: summary[k] for k in list(summary)[:7]}))
@@ -121,9 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         logger.debug("traceback", exc_info=True)
         return 1
     finally:
-        cluster = getattr(getattr(llm, "engine", None) and llm.engine.target, "cluster", None)
-        if cluster is not None:
-            cluster.shutdown()
+        if llm is not None:
+            llm.shutdown()
 
 
 if __name__ == "__main__":

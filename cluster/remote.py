@@ -47,7 +47,7 @@ import msgpack
 import numpy as np
 
 from specdec.cluster import messages as m
-from specdec.cluster.actors import DraftWorker, StaleIncarnation, TargetWorker
+from specdec.cluster.actors import DraftActor, StaleIncarnation, TargetActor
 from specdec.cluster.config import ClusterConfig, GroupConfig
 from specdec.draft.base import DraftBatch
 from specdec.engine import WorkerLostError
@@ -556,7 +556,7 @@ def remote_workers(
             pg = placement.reserve(cluster.draft, f"{cluster.name}-draft")
             pgs.append(pg)
             handles = placement.spawn(
-                DraftWorker, cluster.draft, pg, f"{cluster.name}-draft", spec, target_model=model,
+                DraftActor, cluster.draft, pg, f"{cluster.name}-draft", spec, target_model=model,
                 dtype=dtype, num_slots=num_slots, max_model_len=max_model_len,
                 num_devices=cluster.draft.num_devices,
             )  # fmt: skip
@@ -568,7 +568,7 @@ def remote_workers(
         pg = placement.reserve(cluster.target, f"{cluster.name}-target")
         pgs.append(pg)
         handles = placement.spawn(
-            TargetWorker, cluster.target, pg, f"{cluster.name}-target", model, dtype=dtype,
+            TargetActor, cluster.target, pg, f"{cluster.name}-target", model, dtype=dtype,
             num_slots=num_slots, max_model_len=max_model_len,
             max_tree_nodes=drafter.max_nodes if drafter is not None else 0,
             num_devices=cluster.target.num_devices, kernel=kernel,

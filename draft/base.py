@@ -9,14 +9,14 @@ n-gram drafter the committed tokens) and talks to the engine in five calls:
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from specdec.verify.batch import SamplingBatch
-from specdec.verify.tree import ChildSampling
+from specdec.verify.tree import PAD_PARENT, ChildSampling
 
-PAD_PARENT = -2  # parent index of a padding node
+__all__ = ["PAD_PARENT", "DraftBatch", "Drafter", "OverlapDrafter"]
 
 
 @dataclasses.dataclass
@@ -77,3 +77,36 @@ class Drafter(Protocol):
 
     def release(self, slot: int) -> None:
         """The sequence in `slot` finished."""
+
+
+@runtime_checkable
+class OverlapDrafter(Drafter, Protocol):
+    """A drafter that can grow tree t + 1 while the target verifies tree t.
+
+    The distributed draft actor (cluster/actors.py) overlaps drafting with
+    verification only for drafters that implement this; the in-process engine
+    never calls these hooks. `speculate` returns an opaque guess object that
+    `resolve` and `propose_reusing` take back.
+    """
+
+    def speculate(
+        self, active: np.ndarray, tree: DraftBatch, sampling: SamplingBatch | None = None
+    ) -> Any:
+        """Grows the next tree now from a guessed verdict on `tree` (just proposed)."""
+
+    def resolve(
+        self,
+        spec: Any,
+        active: np.ndarray,
+        accepted_nodes: np.ndarray,
+        num_accepted: np.ndarray,
+        emitted: np.ndarray,
+    ) -> np.ndarray:
+        """`commit` for a step that was speculated on; returns bool[S], the rows whose
+        guess the target confirmed."""
+
+    def propose_reusing(
+        self, spec: Any, hit: np.ndarray, active: np.ndarray, roots: np.ndarray,
+        sampling: SamplingBatch,
+    ) -> DraftBatch:  # fmt: skip
+        """`propose`, reusing the speculated tree for the rows in `hit`."""

@@ -51,7 +51,7 @@ import numpy as np
 
 from specdec.kernels import transformer
 from specdec.kernels.config import ModelConfig
-from specdec.kernels.kv_cache import ModelRunner
+from specdec.kernels.runner import ModelRunner
 from specdec.kernels.transformer import Params
 from specdec.verify.batch import SamplingBatch
 from specdec.verify.sampling import repetition_penalized
@@ -187,6 +187,7 @@ class ModelDrafter:
             seen,
             penalty,
             cfg=self.cfg,
+            layout=r.layout,
             topk=self.topk,
             max_depth=self.max_depth,
             num_nodes=self.max_nodes,
@@ -352,6 +353,7 @@ class ModelDrafter:
             slots,
             r.cache_lens.copy(),
             cfg=self.cfg,
+            layout=r.layout,
             vocab_limit=self.vocab_limit,
             kv_len=r.kv_len(rows, int(r.cache_lens[rows].max(initial=0)) + self.pending_len),
         )
@@ -409,11 +411,11 @@ def _side_region(max_depth: int, topk: int) -> int:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "topk", "max_depth", "num_nodes", "vocab_limit", "kv_len"),
+    static_argnames=("cfg", "layout", "topk", "max_depth", "num_nodes", "vocab_limit", "kv_len"),
     donate_argnames=("cache",),
 )
 def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, penalty, *, cfg,
-          topk, max_depth, num_nodes, vocab_limit, kv_len):  # fmt: skip
+          layout, topk, max_depth, num_nodes, vocab_limit, kv_len):  # fmt: skip
     """The last commit's K/V writes (`deferred`, a `KVWrite`), then catch-up +
     expansion + rerank (module docstring).
 
@@ -460,6 +462,7 @@ def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, pena
         logits, ks, vs = transformer.block_logits_kv(
             params, cache, tokens, tok_positions, mask, slots, cache_lens, logit_index,
             cfg=cfg, kv_len=kv_len, side=dataclasses.replace(side, at=at), rows_are_slots=True,
+            layout=layout,
         )  # fmt: skip
         return logits, dataclasses.replace(side, k=ks, v=vs)
 
@@ -529,16 +532,16 @@ def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, pena
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "vocab_limit", "kv_len"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("cfg", "layout", "vocab_limit", "kv_len"), donate_argnames=("cache",)
 )
-def _peek(params, cache, pend, pend_len, slots, cache_lens, *, cfg, vocab_limit, kv_len):
+def _peek(params, cache, pend, pend_len, slots, cache_lens, *, cfg, layout, vocab_limit, kv_len):
     """Causal block of pending tokens; the draft's top-1 after the last: (i32[B], cache)."""
     p = pend.shape[1]
     positions = cache_lens[:, None] + jnp.arange(p, dtype=jnp.int32)[None]
     mask = transformer.causal_block_mask(pend_len, p)
     logits, cache = transformer.forward_block(
         params, cache, pend, positions, mask, slots, cache_lens, pend_len - 1, cfg=cfg,
-        kv_len=kv_len,
+        kv_len=kv_len, layout=layout,
     )  # fmt: skip
     logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits[:, 0], -jnp.inf)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache

@@ -26,7 +26,8 @@ are replicated (2 % 4 != 0).
 
 Axes are counted from the end, so the same rules fit layers stacked on a
 leading L axis (`params["layers"][name]` is [L, ...]) and per-layer dicts
-(`transformer.unstack_layers`).
+(`transformer.unstack_layers`), and the one-row copies of `xla_layout` are cut
+like their originals, transposed.
 
 Sharding changes the order of some float reductions (the `wo` / `w_down`
 contractions become partial sums plus an all-reduce), so logits may differ
@@ -95,11 +96,12 @@ def param_specs(cfg: ModelConfig, params: Params, tp: int) -> Params:
     ok = divisible(cfg, tp)
 
     def one(path, leaf):
-        name = next((k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey)), "")
+        keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        name = keys[-1] if keys else ""
         rule = RULES.get(name)
-        if rule is None and name.endswith("_t") and name[:-2] in RULES:
-            # An [out, in] copy (`transformer.decode_copies`): its original's cut, transposed.
-            axis, dim = RULES[name[:-2]]
+        if rule is not None and "one_row" in keys[:-1]:
+            # An [out, in] copy (`xla_layout.one_row_copies`): its original's cut, transposed.
+            axis, dim = rule
             rule = (-3 - axis, dim)
         if tp == 1 or rule is None or not ok[rule[1]]:
             return _spec(np.ndim(leaf), None)

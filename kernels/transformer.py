@@ -31,7 +31,14 @@ Params are a dict pytree with per-layer weights stacked on a leading L axis
     layers/w_gate, w_up [L, D, F]   w_down [L, F, D]        (dense MLP)
     layers/router [L, D, E]   e_gate, e_up [L, E, D, Fe]   e_down [L, E, Fe, D]  (MoE)
 
-*On CPU a tied model gets a [D, V] copy of embed.T as lm_head (`untie_head`).
+*A runner on XLA may give a tied model a [D, V] copy of embed.T as lm_head
+(`xla_layout.untie_head`).
+
+The forward is written once. Its `layout` argument (`Layout`, static) says how
+products, attention and the layer loop are laid out; the default is this
+module's plain reference, and `kernels/xla_layout.py` holds the forms the XLA
+CPU backend runs faster (the runner picks one explicitly). Design notes:
+docs/design.md.
 """
 
 from __future__ import annotations
@@ -44,7 +51,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec.kernels import dot_library
 from specdec.kernels.config import ModelConfig
 
 Params = dict
@@ -77,19 +83,6 @@ class KVCache:
     def create(cls, cfg: ModelConfig, num_slots: int, max_len: int, dtype=jnp.float32):
         shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-
-
-def cache_dtype(weight_dtype) -> jnp.dtype:
-    """The KV-cache dtype for weights of `weight_dtype`: the same, except float32 on CPU.
-
-    XLA CPU cannot update a bfloat16 buffer in place: it widens the whole buffer
-    to float32 and back, so writing one decode step's K/V into a bfloat16 cache
-    copied all of it (1.9 ms a step for the demo target's 8.5 MB cache, against
-    0.015 ms in float32). Float32 K/V cost twice the memory, no precision.
-    """
-    if jax.default_backend() == "cpu":
-        return jnp.dtype(jnp.float32)
-    return jnp.dtype(weight_dtype)
 
 
 # ----------------------------------------------------------------------------- params
@@ -187,94 +180,95 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] @ w [in, out] with inputs in w's dtype and f32 accumulation.
+    """x [..., in] @ w [in, out] with inputs in w's dtype and f32 accumulation."""
+    return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
-    XLA CPU runs a one-row bfloat16 product as a slow matrix-vector loop: over
-    the 24 MLP matrices of the demo target, one row took 31 ms and two rows
-    3.0 ms (float32: 3.1 ms). So a single bfloat16 row on CPU is computed as
-    two rows (the second zero) and the first kept; the answer is the same.
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the forward lays out its products, attention and layer loop.
+
+    This class is the plain reference: one [in, out] product per matrix,
+    attention batched over K/V heads, layers under `lax.scan` (or unrolled when
+    `params["layers"]` is a tuple of per-layer dicts, `unstack_layers`). Every
+    forward function takes a layout as its static `layout` argument, so what is
+    traced depends on the arguments alone. A runner may pass another layout
+    that computes the same maths in a form its backend runs faster
+    (`kernels/xla_layout.py`); tests compare the two.
     """
-    x = x.astype(w.dtype)
-    if math.prod(x.shape[:-1]) == 1 and w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-        two = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
-        out = jnp.matmul(two, w, preferred_element_type=jnp.float32)[:1]
-        return out.reshape(*x.shape[:-1], w.shape[-1])
-    return jnp.matmul(x, w, preferred_element_type=jnp.float32)
+
+    def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        return matmul(x, w)
+
+    def linear(self, p: dict, name: str, x: jax.Array) -> jax.Array:
+        """x [..., in] @ p[name] [in, out]."""
+        return self.matmul(x, p[name])
+
+    def qkv(self, cfg: ModelConfig, lp: dict, h: jax.Array):
+        """The q, k and v projections of h f32[B, N, D] (heads flattened)."""
+        return self.linear(lp, "wq", h), self.linear(lp, "wk", h), self.linear(lp, "wv", h)
+
+    def gate_up(self, lp: dict, h: jax.Array):
+        """The gate and up projections of a dense MLP."""
+        return self.linear(lp, "w_gate", h), self.linear(lp, "w_up", h)
+
+    def attention(
+        self,
+        cfg: ModelConfig,
+        q: jax.Array,  # f32[B, N, K, G, hd], scaled, RoPE applied
+        k: jax.Array,  # f32[B, M, K, hd], RoPE applied: the block's keys (M = N, or a side buffer)
+        v: jax.Array,  # f32[B, M, K, hd]
+        k_cache: jax.Array | None,  # [B, K, T, hd] committed keys of each sequence
+        v_cache: jax.Array | None,  # [B, K, T, hd]
+        cache_mask: jax.Array | None,  # bool[B, N, T]
+        block_mask: jax.Array,  # bool[B, N, M]
+    ) -> jax.Array:  # f32[B, N, H * hd]
+        b, n, kh, g, hd = q.shape
+        s_block = jnp.einsum("bnkgd,bmkd->bkgnm", q, k)
+        s_block = jnp.where(block_mask[:, None, None], s_block, _NEG)
+        if k_cache is None:
+            p = jax.nn.softmax(s_block, axis=-1)
+            out = jnp.einsum("bkgnm,bmkd->bnkgd", p, v)
+            return out.reshape(b, n, kh * g * hd)
+        s_cache = jnp.einsum("bnkgd,bktd->bkgnt", q, k_cache.astype(jnp.float32))
+        s_cache = jnp.where(cache_mask[:, None, None], s_cache, _NEG)
+        p = jax.nn.softmax(jnp.concatenate([s_cache, s_block], axis=-1), axis=-1)
+        t = k_cache.shape[2]
+        out = jnp.einsum("bkgnt,bktd->bnkgd", p[..., :t], v_cache.astype(jnp.float32))
+        out = out + jnp.einsum("bkgnm,bmkd->bnkgd", p[..., t:], v)
+        return out.reshape(b, n, kh * g * hd)
+
+    def over_layers(self, body, x, layers, side_k=None, side_v=None):
+        """Runs `body(x, (lp, i, sk, sv)) -> (x, (k, v))` over the layers, where i is
+        the layer's index into the cache and sk / sv its side buffers (or None).
+        Returns x and the K/V stacked [L, ...].
+
+        Stacked params ([L, ...] leaves) run under `lax.scan` (one traced layer:
+        what a kernel streams); a tuple of per-layer dicts is unrolled."""
+        if isinstance(layers, (tuple, list)):
+            ks, vs = [], []
+            for i, lp in enumerate(layers):
+                sk = None if side_k is None else side_k[i]
+                sv = None if side_v is None else side_v[i]
+                x, (k, v) = body(x, (lp, i, sk, sv))
+                ks.append(k)
+                vs.append(v)
+            return x, jnp.stack(ks), jnp.stack(vs)
+        n = next(iter(layers.values())).shape[0]
+        x, (ks, vs) = jax.lax.scan(body, x, (layers, jnp.arange(n), side_k, side_v))
+        return x, ks, vs
 
 
-def linear(p: dict, name: str, x: jax.Array) -> jax.Array:
-    """x [..., in] @ p[name] [in, out]; a one-row x reads p[name + "_t"] ([out, in])
-    where `decode_copies` made one: the same sums, in the layout a single row
-    streams fastest on XLA CPU (see `decode_copies`)."""
-    w_t = p.get(name + "_t")
-    if w_t is None or math.prod(x.shape[:-1]) != 1:
-        return matmul(x, p[name])
-    out = jnp.einsum("oi,ni->no", w_t, x.reshape(1, -1).astype(w_t.dtype),
-                     preferred_element_type=jnp.float32)  # fmt: skip
-    return out.reshape(*x.shape[:-1], w_t.shape[0])
+REFERENCE = Layout()
 
 
-# Layer matrices `decode_copies` gives an [out, in] copy.
-DECODE_KEYS = ("wqkv", "wq", "wk", "wv", "wo", "w_gate_up", "w_gate", "w_up", "w_down")
-# At most this many bytes of copies (they double the weights they copy).
-DECODE_COPIES_MAX_BYTES = 2 << 30
-
-
-def decode_copy_bytes(cfg: ModelConfig, dtype) -> int:
-    """Bytes of the matrices `decode_copies` copies for this model in `dtype`: every
-    layer's `DECODE_KEYS` matrices (fused or not, the same bytes) and a [D, V] head."""
-    layers = param_shapes(cfg)["layers"]
-    n = sum(math.prod(shape) for k, shape in layers.items() if k in DECODE_KEYS)
-    return (n + cfg.hidden_size * cfg.vocab_size) * jnp.dtype(dtype).itemsize
-
-
-def wants_decode_copies(cfg: ModelConfig, dtype) -> bool:
-    """Whether one-row products of this model's `dtype` weights get [out, in] copies
-    here: float32 on XLA CPU only, and copies of at most `DECODE_COPIES_MAX_BYTES`
-    (`decode_copy_bytes`). (A one-row bfloat16 product is computed as two rows,
-    `matmul`, where [in, out] is as fast.)"""
-    return (jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
-            and decode_copy_bytes(cfg, dtype) <= DECODE_COPIES_MAX_BYTES)  # fmt: skip
-
-
-def decode_copies(params: Params, tied: bool) -> Params:
-    """Per-layer params (`unstack_layers`) plus an [out, in] copy `<name>_t` of each
-    layer matrix and of the LM head, which `linear` reads for one-row products.
-
-    On XLA CPU a one-row product reads an [out, in] matrix (each output a dot of
-    one contiguous row with x) faster than an [in, out] one, while products of
-    more rows are slower that way (an AMD EPYC with AVX-512, float32: the demo
-    target's weight products of one step took 2.6 ms against 3.1 ms in the
-    faster library, a random 162M Llama's 10.1 against 13.3 ms; at 2 rows 5.6
-    against 4.0 ms). So decode steps of one row take the copies and verify
-    blocks and prefill keep the originals. A tied head's copy (`tied`: the model
-    ties its LM head to the embedding) is `embed` itself.
-    """
-    layers = params["layers"]
-    if not isinstance(layers, (tuple, list)):
-        raise ValueError("decode_copies needs per-layer params (unstack_layers)")
-
-    def with_t(lp: dict) -> dict:
-        return {**lp, **{k + "_t": jnp.transpose(lp[k]) for k in DECODE_KEYS
-                         if k in lp and lp[k].ndim == 2}}  # fmt: skip
-
-    out = {**params, "layers": tuple(with_t(lp) for lp in layers)}
-    if "lm_head" in params:  # `lm_head` reads it; a tied head without one reads embed.T
-        out["lm_head_t"] = params["embed"] if tied else jnp.transpose(params["lm_head"])
-    return out
-
-
-def _mlp(cfg: ModelConfig, lp: dict, h: jax.Array) -> jax.Array:
-    if "w_gate_up" in lp:  # `fuse_projections`
-        gu = linear(lp, "w_gate_up", h)
-        f = gu.shape[-1] // 2
-        return linear(lp, "w_down", jax.nn.silu(gu[..., :f]) * gu[..., f:])
+def _mlp(cfg: ModelConfig, lp: dict, h: jax.Array, layout: Layout) -> jax.Array:
     if not cfg.is_moe:
-        a = jax.nn.silu(linear(lp, "w_gate", h)) * linear(lp, "w_up", h)
-        return linear(lp, "w_down", a)
+        gate, up = layout.gate_up(lp, h)
+        return layout.linear(lp, "w_down", jax.nn.silu(gate) * up)
     # Routed experts, computed densely (every expert on every token, then
     # weighted): exact, and fine for a reference; a grouped kernel is future work.
-    router = jax.nn.softmax(matmul(h, lp["router"]), axis=-1)  # [B, N, E]
+    router = jax.nn.softmax(layout.matmul(h, lp["router"]), axis=-1)  # [B, N, E]
     top_w, top_i = jax.lax.top_k(router, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
@@ -288,87 +282,8 @@ def _mlp(cfg: ModelConfig, lp: dict, h: jax.Array) -> jax.Array:
     return jnp.einsum("bne,bned->bnd", weights, out)
 
 
-def _attention(
-    cfg: ModelConfig,
-    q: jax.Array,  # f32[B, N, H, hd], RoPE applied
-    k: jax.Array,  # f32[B, M, K, hd], RoPE applied: the block's keys (M = N, or a side buffer)
-    v: jax.Array,  # f32[B, M, K, hd]
-    k_cache: jax.Array | None,  # [B, K, T, hd] committed keys of each sequence
-    v_cache: jax.Array | None,  # [B, K, T, hd]
-    cache_mask: jax.Array | None,  # bool[B, N, T]
-    block_mask: jax.Array,  # bool[B, N, M]
-    keys_t: bool = False,  # k_cache given as [B, K, hd, T] (`_keys_transposed`)
-) -> jax.Array:  # f32[B, N, H * hd]
-    b, n, h, hd = q.shape
-    kh = cfg.num_kv_heads
-    q = q.reshape(b, n, kh, h // kh, hd) * (1.0 / math.sqrt(hd))
-    if keys_t or (k_cache is not None and _per_kv_head(cfg)):
-        return _attention_per_kv_head(q, k, v, k_cache, v_cache, cache_mask, block_mask, keys_t)
-    s_block = jnp.einsum("bnkgd,bmkd->bkgnm", q, k)
-    s_block = jnp.where(block_mask[:, None, None], s_block, _NEG)
-    if k_cache is None:
-        p = jax.nn.softmax(s_block, axis=-1)
-        out = jnp.einsum("bkgnm,bmkd->bnkgd", p, v)
-        return out.reshape(b, n, h * hd)
-    s_cache = jnp.einsum("bnkgd,bktd->bkgnt", q, k_cache.astype(jnp.float32))
-    s_cache = jnp.where(cache_mask[:, None, None], s_cache, _NEG)
-    p = jax.nn.softmax(jnp.concatenate([s_cache, s_block], axis=-1), axis=-1)
-    t = k_cache.shape[2]
-    out = jnp.einsum("bkgnt,bktd->bnkgd", p[..., :t], v_cache.astype(jnp.float32))
-    out = out + jnp.einsum("bkgnm,bmkd->bnkgd", p[..., t:], v)
-    return out.reshape(b, n, h * hd)
-
-
-# XLA CPU runs a dot batched over (row, KV head) as a slow loop of tiny products; one
-# product per KV head (batched over rows only) read a 1024-position cache in 3.4 ms
-# instead of 4.7 (8 layers, 7 query rows, 4 KV heads). Past this many KV heads the
-# unrolled loop would bloat the program: the batched form is kept.
-_PER_HEAD_MAX = 8
-
-
-def _per_kv_head(cfg: ModelConfig) -> bool:
-    """Whether attention over a cache runs one KV head at a time (XLA CPU, few heads)."""
-    return jax.default_backend() == "cpu" and cfg.num_kv_heads <= _PER_HEAD_MAX
-
-
-def _keys_transposed(cfg: ModelConfig) -> bool:
-    """Whether cached keys are copied out as [hd, T] for the per-head scores: a program
-    traced for Eigen, which reads a transposed operand slowly (`dot_library`)."""
-    return _per_kv_head(cfg) and dot_library.tracing_for() == "eigen"
-
-
-def _attention_per_kv_head(q, k, v, k_cache, v_cache, cache_mask, block_mask, keys_t=False):
-    """`_attention` with a cache, one KV head at a time (same maths, same masks).
-
-    q f32[B, N, K, G, hd] (scaled, RoPE applied); block keys k, v f32[B, M, K, hd];
-    caches [B, K, T, hd] (keys [B, K, hd, T] with `keys_t`). A head's G query heads
-    and N tokens form one [G * N, hd] block of queries (row g * N + i), so each
-    product is a plain [G * N, hd] x [hd, T] matmul per row.
-    """
-    b, n, kh, g, hd = q.shape
-    t, m = k_cache.shape[3 if keys_t else 2], k.shape[1]
-    qh = q.transpose(0, 2, 3, 1, 4).reshape(b, kh, g * n, hd)
-    cmask = jnp.broadcast_to(cache_mask[:, None], (b, g, n, t)).reshape(b, g * n, t)
-    bmask = jnp.broadcast_to(block_mask[:, None], (b, g, n, m)).reshape(b, g * n, m)
-    outs = []
-    for j in range(kh):
-        kj = k_cache[:, j].astype(jnp.float32)
-        s_c = jnp.einsum("bmd,bdt->bmt" if keys_t else "bmd,btd->bmt", qh[:, j], kj)
-        s_b = jnp.einsum("bmd,bnd->bmn", qh[:, j], k[:, :, j])
-        s_c = jnp.where(cmask, s_c, _NEG)
-        s_b = jnp.where(bmask, s_b, _NEG)
-        m = jnp.maximum(s_c.max(axis=-1, keepdims=True), s_b.max(axis=-1, keepdims=True))
-        e_c, e_b = jnp.exp(s_c - m), jnp.exp(s_b - m)
-        denom = e_c.sum(axis=-1, keepdims=True) + e_b.sum(axis=-1, keepdims=True)
-        o = jnp.einsum("bmt,btd->bmd", e_c, v_cache[:, j].astype(jnp.float32))
-        o = o + jnp.einsum("bmn,bnd->bmd", e_b, v[:, :, j])
-        outs.append(o / denom)
-    out = jnp.stack(outs, axis=1).reshape(b, kh, g, n, hd)  # [B, K, G, N, hd]
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, n, kh * g * hd)
-
-
-def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_cache, side=None,
-           keys_t=False):  # fmt: skip
+def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_cache, side,
+           layout: Layout):  # fmt: skip
     """One decoder layer. Returns the new residual and this block's (k, v).
 
     With `side` = (k_side, v_side [B, S, K, hd], at): the block's K/V are put at
@@ -378,12 +293,7 @@ def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_c
     b, n, _ = x.shape
     hd = cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    if "wqkv" in lp:  # `fuse_projections`: one product instead of three
-        qkv = linear(lp, "wqkv", h)
-        nq, nk = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        q, k, v = qkv[..., :nq], qkv[..., nq : nq + nk], qkv[..., nq + nk :]
-    else:
-        q, k, v = linear(lp, "wq", h), linear(lp, "wk", h), linear(lp, "wv", h)
+    q, k, v = layout.qkv(cfg, lp, h)
     if cfg.attention_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(b, n, cfg.num_heads, hd)
@@ -398,18 +308,20 @@ def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_c
         k_side, v_side, at = side
         k = jax.lax.dynamic_update_slice_in_dim(k_side, k.astype(k_side.dtype), at, axis=1)
         v = jax.lax.dynamic_update_slice_in_dim(v_side, v.astype(v_side.dtype), at, axis=1)
-    attn = _attention(cfg, q, k, v, k_cache, v_cache, cache_mask, block_mask, keys_t)
-    x = x + linear(lp, "wo", attn)
-    x = x + _mlp(cfg, lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
+    kh = cfg.num_kv_heads
+    qg = q.reshape(b, n, kh, cfg.num_heads // kh, hd) * (1.0 / math.sqrt(hd))
+    attn = layout.attention(cfg, qg, k, v, k_cache, v_cache, cache_mask, block_mask)
+    x = x + layout.linear(lp, "wo", attn)
+    x = x + _mlp(cfg, lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), layout)
     return x, k, v
 
 
-def lm_head(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
+def lm_head(cfg: ModelConfig, params: Params, x: jax.Array, layout: Layout = REFERENCE):
     """Final norm + vocabulary projection: x f32[..., D] -> logits f32[..., V]."""
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    if "lm_head" in params:  # untied, or tied with a [D, V] copy (`untie_head`)
-        return linear(params, "lm_head", h)
-    return matmul(h, params["embed"].T)
+    if "lm_head" in params:  # untied, or a tied model's [D, V] copy (`xla_layout.untie_head`)
+        return layout.linear(params, "lm_head", h)
+    return layout.matmul(h, params["embed"].T)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -417,7 +329,7 @@ def lm_head(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
 
 def _hidden_block(
     cfg, params, tokens, positions, block_mask, cache, slots, cache_lens, cache_mask=None,
-    kv_len=None, side=None, rows_are_slots=False,
+    kv_len=None, side=None, rows_are_slots=False, layout: Layout = REFERENCE,
 ):  # fmt: skip
     """Runs all layers; returns final residual f32[B, N, D] and new K/V [L, B, N, K, hd].
 
@@ -432,14 +344,15 @@ def _hidden_block(
         w = cfg.sliding_window
         block_mask = block_mask & (positions[:, :, None] - key_positions[:, None, :] < w)
     if cache is None:
-        assert side is None, "a side buffer needs a cache"
+        if side is not None:
+            raise ValueError("a side buffer needs a cache")
 
-        def body(x, lp):
-            x, k, v = _layer(cfg, inv_freq, positions, None, block_mask, x, lp, None, None)
+        def body(x, layer):
+            x, k, v = _layer(cfg, inv_freq, positions, None, block_mask, x, layer[0], None, None,
+                             None, layout)  # fmt: skip
             return x, (k, v)
 
-        layers = params["layers"]
-        return _over_layers(body, x, list(layers) if isinstance(layers, tuple) else layers)
+        return layout.over_layers(body, x, params["layers"])
 
     kv_len = kv_len or cache.max_len
     t = jnp.arange(kv_len)
@@ -453,27 +366,18 @@ def _hidden_block(
     # Zero the unused slots so NaN (or stale) data there cannot leak through 0 * NaN.
     keep = cache_valid[:, None, :, None]
     safe_slots = jnp.clip(slots, 0, cache.num_slots - 1)
-    keys_t = _keys_transposed(cfg)
 
     def body(x, layer):
         lp, i, sk, sv = layer  # i: this layer's index into the cache (traced under scan)
         kc, vc = (jnp.where(keep, _cache_rows(a, i, safe_slots, kv_len, rows_are_slots), 0)
                   for a in (cache.k, cache.v))  # fmt: skip
-        if keys_t:  # the same copy, written out transposed
-            kc = jnp.swapaxes(kc, -1, -2)
         side_l = None if side is None else (sk, sv, side.at)
         x, k, v = _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, kc, vc, side_l,
-                         keys_t)  # fmt: skip
+                         layout)  # fmt: skip
         return x, (k, v)
 
-    layers = params["layers"]
-    n_layers = cache.k.shape[0]
     sk, sv = (None, None) if side is None else (side.k, side.v)
-    if isinstance(layers, (tuple, list)):
-        return _over_layers(body, x, [(lp, i, None if sk is None else sk[i],
-                                       None if sv is None else sv[i])
-                                      for i, lp in enumerate(layers)])  # fmt: skip
-    return _over_layers(body, x, (layers, jnp.arange(n_layers), sk, sv))
+    return layout.over_layers(body, x, params["layers"], sk, sv)
 
 
 def _cache_rows(
@@ -481,16 +385,14 @@ def _cache_rows(
 ) -> jax.Array:
     """arr[layer, slots, :, :kv_len] of a cache [L, S, K, T, hd] -> [B, K, kv_len, hd].
 
-    One contiguous slice per row, straight from the cache. Slicing `[..., :kv_len]`
+    One contiguous slice per row, straight from the cache: slicing `[..., :kv_len]`
     first and then picking rows with an index-array gather (an element-wise loop
-    on XLA CPU) copied the cache twice: a batch-1 decode step of the 27M demo
-    target at context 500 took 11.0 ms that way, 9.0 ms this way.
+    on XLA CPU) would copy the cache twice.
 
     `rows_are_slots` (static): the caller's row b is slot b, or an inactive row
     (slot -1) whose output is discarded, and B == S: one static slice of the
-    layer. XLA CPU copied the B per-row slices through one concatenation loop
-    and then again per KV head; the static slice folds into the per-head copies
-    (demo target, 8 rows at context 450: a decode step about 20% faster).
+    layer, which XLA folds into the attention's reads instead of joining B
+    per-row slices in a concatenation loop.
     """
     _, s, k, _, hd = arr.shape
     if rows_are_slots:
@@ -503,27 +405,9 @@ def _cache_rows(
     return jnp.stack(rows)
 
 
-def _over_layers(body, x, layers):
-    """Runs `body(x, layer) -> (x, (k, v))` over the layers; K/V stacked [L, ...].
-
-    Stacked params ([L, ...] leaves) run under `lax.scan` (one traced layer: what
-    a kernel streams). A tuple of per-layer dicts (`unstack_layers`) is unrolled:
-    on CPU, XLA copies each scanned slice of the stacked weights, which cost a
-    3.4x slower decode (4.1 vs 14.1 GB/s on a 12-layer 768-wide stack here).
-    """
-    if isinstance(layers, list):
-        ks, vs = [], []
-        for layer in layers:
-            x, (k, v) = body(x, layer)
-            ks.append(k)
-            vs.append(v)
-        return x, jnp.stack(ks), jnp.stack(vs)
-    x, (ks, vs) = jax.lax.scan(body, x, layers)
-    return x, ks, vs
-
-
 def unstack_layers(params: Params) -> Params:
-    """The same params with `layers` as a tuple of per-layer dicts (see `_over_layers`)."""
+    """The same params with `layers` as a tuple of per-layer dicts (`Layout.over_layers`
+    unrolls them; XLA on CPU copies each scanned slice of stacked weights)."""
     stacked = params["layers"]
     if isinstance(stacked, (tuple, list)):
         return params
@@ -532,47 +416,11 @@ def unstack_layers(params: Params) -> Params:
     return {**params, "layers": layers}
 
 
-def fuse_projections(params: Params) -> Params:
-    """Per-layer params (`unstack_layers`) with wq|wk|wv as one `wqkv` [D, (H + 2K) * hd]
-    and w_gate|w_up as one `w_gate_up` [D, 2F]: the same numbers in fewer products.
-
-    For small models whose products cost their dispatch more than their bytes: the
-    demo draft's 2-layer forward of 2 rows took 0.137 ms as 10 products and 0.090 ms
-    as 4 (XLA CPU); the 27M demo target's products took the same time either way.
-    Not for params a mesh will shard (`sharding.RULES` names the separate matrices).
-    """
-    layers = params["layers"]
-    if not isinstance(layers, (tuple, list)):
-        raise ValueError("fuse_projections needs per-layer params (unstack_layers)")
-
-    def fuse(lp: dict) -> dict:
-        lp = dict(lp)
-        if "wq" in lp:
-            lp["wqkv"] = jnp.concatenate([lp.pop("wq"), lp.pop("wk"), lp.pop("wv")], axis=1)
-        if "w_gate" in lp:
-            lp["w_gate_up"] = jnp.concatenate([lp.pop("w_gate"), lp.pop("w_up")], axis=1)
-        return lp
-
-    return {**params, "layers": tuple(fuse(lp) for lp in layers)}
-
-
-def untie_head(params: Params) -> Params:
-    """A tied model's params with an explicit [D, V] `lm_head` (a copy of embed.T).
-
-    For XLA on CPU: its Eigen GEMM reads the transposed embedding about 10x
-    slower than a row-major [D, V] matrix (`dot_library`). Costs V * D more
-    weights, so accelerators keep the tied form.
-    """
-    if "lm_head" in params:
-        return params
-    return {**params, "lm_head": jnp.transpose(params["embed"])}
-
-
 def _put_rows(cache: KVCache, k_rows, v_rows, slots, starts) -> KVCache:
     """Writes k_rows[b] / v_rows[b] ([L, K, n, hd]) at positions starts[b] .. + n of slots[b].
 
     One in-place `dynamic_update_slice` per row (a scatter with advanced indices
-    rebuilt the whole cache: 65 ms of a 108 ms decode step on a 160M model).
+    rebuilt the whole cache).
     Rows with slot < 0 write back what is there. The caller keeps
     `starts[b] + n <= max_len` for live rows (slices are clamped, not dropped).
     """
@@ -606,7 +454,7 @@ def _write_block(cache: KVCache, ks, vs, slots, cache_lens) -> KVCache:
     return _put_rows(cache, k_rows, v_rows, slots, cache_lens)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kv_len"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "kv_len", "layout"), donate_argnames=("cache",))
 def forward_block(
     params: Params,
     cache: KVCache,
@@ -620,6 +468,7 @@ def forward_block(
     *,
     cfg: ModelConfig,
     kv_len: int | None = None,  # read only cache positions [0, kv_len); None = all
+    layout: Layout = REFERENCE,
 ) -> tuple[jax.Array, KVCache]:
     """The shared primitive (module docstring).
 
@@ -633,7 +482,7 @@ def forward_block(
     """
     logits, ks, vs = block_logits_kv(
         params, cache, tokens, positions, block_mask, slots, cache_lens, logit_index,
-        cache_mask, cfg=cfg, kv_len=kv_len,
+        cache_mask, cfg=cfg, kv_len=kv_len, layout=layout,
     )  # fmt: skip
     return logits, _write_block(cache, ks, vs, slots, cache_lens)
 
@@ -677,22 +526,23 @@ def block_logits_kv(
     kv_len: int | None = None,
     side: SideKV | None = None,
     rows_are_slots: bool = False,
+    layout: Layout = REFERENCE,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`forward_block` without the cache write: (logits, k, v), K/V [L, B, N, K, hd].
 
     The cache is only read, so a caller can write just what it keeps, in its own
     donated call (`write_kv`): XLA on CPU copies the whole cache when one program
-    both reads it and updates it in place (2.5x slower decode on a 160M model).
+    both reads it and updates it in place.
     With `side`, the block's K/V go into the side buffer at `side.at` and the
     returned K/V are the whole updated buffers [L, B, S, K, hd].
     """
     x, ks, vs = _hidden_block(
         cfg, params, tokens, positions, block_mask, cache, slots, cache_lens, cache_mask, kv_len,
-        side, rows_are_slots,
+        side, rows_are_slots, layout,
     )  # fmt: skip
     if logit_index is not None:
         x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)
-    return lm_head(cfg, params, x), ks, vs
+    return lm_head(cfg, params, x, layout), ks, vs
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -765,7 +615,9 @@ def causal_block_mask(lengths: jax.Array, n: int) -> jax.Array:
     return (causal & valid[:, None, :]) | jnp.eye(n, dtype=bool)[None]
 
 
-def prefill_logits(params: Params, cfg: ModelConfig, tokens, lengths) -> jax.Array:
+def prefill_logits(
+    params: Params, cfg: ModelConfig, tokens, lengths, layout: Layout = REFERENCE
+) -> jax.Array:
     """Logits f32[B, T, V] for a right-padded ragged batch (tokens i32[B, T], lengths i32[B]).
 
     Positions at or beyond a row's length hold meaningless values.
@@ -773,7 +625,7 @@ def prefill_logits(params: Params, cfg: ModelConfig, tokens, lengths) -> jax.Arr
     tokens = jnp.asarray(tokens, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
     b, t = tokens.shape
-    cache = KVCache.create(cfg, b, t, dtype=cache_dtype(params["embed"].dtype))
+    cache = KVCache.create(cfg, b, t, dtype=jnp.float32)  # the reference keeps K/V exact
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     logits, _ = forward_block(
         params,
@@ -784,5 +636,6 @@ def prefill_logits(params: Params, cfg: ModelConfig, tokens, lengths) -> jax.Arr
         jnp.arange(b, dtype=jnp.int32),
         jnp.zeros((b,), jnp.int32),
         cfg=cfg,
+        layout=layout,
     )
     return logits

@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import jax
 from tqdm.auto import tqdm
 
-from specdec import sizing
-from specdec.checkpoint import checkpoint_dtype, load_config, load_model
-from specdec.engine import LLMEngine
+from specdec.checkpoint import load_config, load_model
+from specdec.engine import LLMEngine, WorkerLostError
 from specdec.outputs import RequestOutput, SpecDecodeMetrics
 from specdec.params import SamplingParams, SpeculativeConfig, broadcast_params, generation_defaults
+from specdec.plan import Plan, TreeShape, make_plan, resolve_dtype, verify_rows
 from specdec.tokenizer import Tokenizer
 from specdec.workers import KernelName, TargetWorker, build_drafter
 
@@ -34,35 +34,6 @@ DTypeName = Literal["auto", "float32", "bfloat16"]
 _counter = itertools.count()
 
 
-def default_dtype(folder: str | os.PathLike | None = None, *, rows: int | None = None) -> str:
-    """What dtype="auto" means: bfloat16 off CPU. On CPU, float32 for a checkpoint
-    that is not bfloat16 (float32, float16, unknown); a bfloat16 checkpoint stays
-    bfloat16 unless `rows` is given and float32 weights run the model's products
-    faster at that many rows on this CPU (timed once, `sizing.faster_dtype`: on a
-    CPU without bfloat16 dot instructions a one-row float32 product streams the
-    weights faster than the bfloat16 one converts them). Models too small for
-    their products to matter (`sizing.LIBRARY_MIN_BYTES`) are not timed."""
-    if jax.default_backend() != "cpu":
-        return "bfloat16"
-    if folder is None or checkpoint_dtype(folder) != "bfloat16":
-        return "float32"
-    if rows is None:
-        return "bfloat16"
-    cfg = load_config(folder)
-    if sizing.weight_bytes(cfg, "float32") < sizing.LIBRARY_MIN_BYTES:
-        return "bfloat16"
-    return sizing.faster_dtype(cfg, rows)
-
-
-def verify_rows(spec: SpeculativeConfig | None, max_num_seqs: int) -> int:
-    """Rows one decode step verifies: every slot's root plus its tree (for an
-    "auto"-sized tree, the smallest candidate)."""
-    nodes = 0 if spec is None else spec.num_speculative_tokens
-    if nodes == "auto":
-        nodes = sizing.CANDIDATES[0][0]
-    return max_num_seqs * (1 + nodes)
-
-
 class LLM:
     """Loads a Hugging Face model folder and generates from it.
 
@@ -71,7 +42,7 @@ class LLM:
             tokenizer.json.
         dtype: weight dtype; "auto" = bfloat16 off CPU; on CPU float32, except
             that a bfloat16 checkpoint stays bfloat16 where bfloat16 products time
-            faster than float32 ones on this CPU (`default_dtype`). On Ray, each
+            faster than float32 ones on this CPU (`plan.resolve_dtype`). On Ray, each
             actor decides on its own host; `LLM.dtype` is then the target's.
         max_model_len: prompt + output tokens per sequence at most; default
             min(max_position_embeddings, 4096).
@@ -128,11 +99,12 @@ class LLM:
         # "auto" is timed for the rows a step verifies, on the host that runs them: here,
         # or in each Ray actor (the target's choice is read back from it below).
         self.dtype = dtype
-        if dtype == "auto" and not remote:
-            self.dtype = default_dtype(folder, rows=verify_rows(speculative_config, max_num_seqs))
+        self.plan: Plan | None = None  # in-process only: each Ray actor plans on its host
         if remote:  # the weights load in the target actor, not here
             self.config, params = load_config(folder), None
         else:
+            rows = verify_rows(speculative_config, max_num_seqs)
+            self.dtype = resolve_dtype(folder, dtype, rows=rows)
             self.config, params = load_model(folder, dtype=self.dtype)
         if kernel not in ("auto", "megakernel", "xla"):
             raise ValueError(f"kernel must be 'auto', 'megakernel' or 'xla', got {kernel!r}.")
@@ -164,15 +136,19 @@ class LLM:
             self.cluster = target.cluster
             self.dtype = target.info.get("dtype", self.dtype)
         else:
+            # Every timing-dependent choice, made once here (specdec/plan.py).
+            self.plan = make_plan(self.config, dtype=self.dtype, spec=speculative_config,
+                                  num_slots=max_num_seqs)  # fmt: skip
             drafter = None
             if speculative_config is not None:
                 drafter = build_drafter(
-                    speculative_config, target_path=folder, target_config=self.config,
-                    num_slots=max_num_seqs, max_model_len=max_model_len, dtype=self.dtype,
+                    speculative_config, plan=self.plan, target_path=folder,
+                    target_config=self.config, num_slots=max_num_seqs, max_model_len=max_model_len,
                 )  # fmt: skip
             target = TargetWorker(
                 self.config, params, num_slots=max_num_seqs, max_model_len=max_model_len,
                 max_tree_nodes=drafter.max_nodes if drafter is not None else 0, kernel=kernel,
+                plan=self.plan,
             )  # fmt: skip
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         self.last_generate_metrics: dict = {}
@@ -186,6 +162,11 @@ class LLM:
             seed=seed,
             vocab_size=self.config.vocab_size,
         )
+        # One engine, many callers: whoever holds the lock steps the engine for every
+        # running request (its own and other threads'), so concurrent `generate`
+        # calls share one continuous batch.
+        self._lock = threading.RLock()
+        self._requests: dict[str, Any] = {}  # request id -> the engine's sequence (`add_request`)
 
     # ------------------------------------------------------------------ input checks
 
@@ -246,23 +227,31 @@ class LLM:
         if self.tokenizer is None and any(p.stop for p in params):
             raise ValueError("stop strings need a tokenizer; this model folder has none.")
         checked = [self._prompt_ids(p, i) for i, p in enumerate(prompts)]  # all before any work
-        seqs = [
-            self.engine.add_request(f"{next(_counter)}", text, ids, p)
-            for (text, ids), p in zip(checked, params, strict=True)
-        ]
+        with self._lock:
+            seqs = [
+                self.engine.add_request(f"{next(_counter)}", text, ids, p)
+                for (text, ids), p in zip(checked, params, strict=True)
+            ]
         started = time.perf_counter()
         with tqdm(
             total=len(seqs), desc="Processed prompts", disable=not use_tqdm, unit="req"
         ) as bar:
             done = 0
-            while self.engine.has_unfinished_requests():
-                self.engine.step()
+            while done < len(seqs):
+                self._step_until_finished(seqs)
                 now_done = sum(s.finished for s in seqs)
                 bar.update(now_done - done)
                 done = now_done
         outputs = [s.output() for s in seqs]
         self.last_generate_metrics = _call_metrics(outputs, time.perf_counter() - started)
         return outputs
+
+    def _step_until_finished(self, seqs) -> None:
+        """One engine step unless every sequence in `seqs` has finished (perhaps by
+        another thread's step while this one waited for the lock)."""
+        with self._lock:
+            if not all(s.finished for s in seqs):
+                self.engine.step()
 
     def generate_stream(
         self, prompt: PromptType, sampling_params: SamplingParams | None = None
@@ -276,16 +265,91 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError(f"{self.model_path} has no tokenizer.json; streaming text needs one.")
         text, ids = self._prompt_ids(prompt, 0)
-        seq = self.engine.add_request(f"{next(_counter)}", text, ids, params)
+        with self._lock:
+            seq = self.engine.add_request(f"{next(_counter)}", text, ids, params)
         hold = max((len(x) for x in params.stop or ()), default=1) - 1
         sent = 0
         while not seq.finished:
-            self.engine.step()
-            out = seq.output()
+            self._step_until_finished([seq])
+            with self._lock:
+                out = seq.output()
             visible = out.outputs[0].text
-            end = len(visible) if seq.finished else max(sent, len(visible) - hold)
+            end = len(visible) if out.finished else max(sent, len(visible) - hold)
             yield visible[sent:end], out
             sent = end
+
+    # ------------------------------------------------------------------ request API
+
+    def add_request(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> str:
+        """Queues one request for `step` to run; returns its id (given, or a fresh one).
+
+        The prompt is checked here (ValueError naming the problem). Requests added
+        this way join the running batch of every other caller of this `LLM`.
+        """
+        params = broadcast_params(sampling_params, 1, self.get_default_sampling_params())[0]
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; this model folder has none.")
+        text, ids = self._prompt_ids(prompt, 0)
+        with self._lock:
+            rid = f"{next(_counter)}" if request_id is None else str(request_id)
+            if rid in self._requests:
+                raise ValueError(f"request_id {rid!r} is already running; ids must be unique.")
+            self._requests[rid] = (self.engine.add_request(rid, text, ids, params), -1)
+        return rid
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns the output so far of every request added with
+        `add_request` that gained tokens or finished since the last `step`. A finished
+        request is reported once (`RequestOutput.finished`), then forgotten."""
+        with self._lock:
+            if self.engine.has_unfinished_requests():
+                self.engine.step()
+            outputs = []
+            for rid, (seq, reported) in list(self._requests.items()):
+                if seq.finished or len(seq.output_ids) != reported:
+                    outputs.append(seq.output())
+                    self._requests[rid] = (seq, len(seq.output_ids))
+                if seq.finished:
+                    del self._requests[rid]
+            return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request (of any caller) is waiting or running."""
+        with self._lock:
+            return self.engine.has_unfinished_requests()
+
+    def num_waiting_requests(self) -> int:
+        """Requests queued but not yet admitted to the batch."""
+        with self._lock:
+            return len(self.engine.waiting)
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences decoded together (the batch's slots)."""
+        return self.engine.max_num_seqs
+
+    @property
+    def last_error(self) -> WorkerLostError | None:
+        """Why requests last ended with finish_reason="error" (a worker lost for good)."""
+        return self.engine.last_error
+
+    @property
+    def tree(self) -> TreeShape | None:
+        """The drafter's tree per step; None for plain decoding. On Ray the draft actor
+        sizes an "auto" tree: its node count is read back, depth and topk are the
+        speculative config's bounds."""
+        if self.plan is not None:
+            return self.plan.tree
+        drafter, spec = self.engine.drafter, self.speculative_config
+        if drafter is None or spec is None:
+            return None
+        return TreeShape(int(drafter.max_nodes), spec.max_depth, spec.topk)
 
     def chat(
         self,
@@ -311,6 +375,23 @@ class LLM:
             )
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def cluster_stats(self) -> dict | None:
+        """On the Ray backend: the target actors' info, their recovery times (s) and the
+        draft's overlap figures; None in-process."""
+        if self.cluster is None:
+            return None
+        target, drafter = self.engine.target, self.engine.drafter
+        return {
+            "target": target.info,
+            "target_recoveries_s": target.recoveries,
+            "overlap": drafter.overlap_stats() if drafter is not None else None,
+        }
+
+    def shutdown(self) -> None:
+        """Stops the Ray actors of the Ray backend (nothing to do in-process)."""
+        if self.cluster is not None:
+            self.cluster.shutdown()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate(prompts)` uses without sampling_params: SamplingParams'

@@ -15,8 +15,8 @@ line's. Output rows keep the id and add the generation::
      "metrics": {"num_output_tokens": 16, "ttft": 0.01, "tpot": 0.002,
                  "acceptance_length": 3.2, ...}}
 
-A bad row (not JSON, missing or duplicate id, empty prompt, bad sampling
-value, a prompt too long for the model) becomes `{"id": ..., "line": n,
+A bad row (not UTF-8, not JSON, missing or duplicate id, empty prompt, bad
+sampling value, a prompt too long for the model) becomes `{"id": ..., "line": n,
 "error": "..."}` and the run goes on.
 
 Resume: each output row is appended with one `write` to a file opened with
@@ -26,12 +26,9 @@ the output (and every input line that produced an error row), so a killed run
 resumed gives every id exactly once. Resuming assumes the same input file.
 
 Locally one engine streams the whole file (continuous batching: a finished
-row is written at once and a new row takes its slot). With `--ray`, Ray Data
-spreads rows over an actor pool of engines (`from_items -> map_batches ->
-iter_batches`) and the driver appends the rows as batches come back; the
-file is parsed on the driver first (not `read_json`), because one Arrow schema
-for all rows would reject exactly the malformed rows that must be reported,
-and resume needs each row's line number.
+row is written at once and a new row takes its slot), through `LLM`'s request
+API. With `--ray`, Ray Data spreads rows over an actor pool of engines
+(cluster/batch.py).
 """
 
 from __future__ import annotations
@@ -41,12 +38,12 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from specdec.flags import add_model_arguments, add_sampling_arguments, speculative_from_args
 from specdec.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -93,8 +90,9 @@ def id_key(value: Any) -> str:
 # ----------------------------------------------------------------------------- reading
 
 
-def parse_rows(lines: Iterable[str], defaults: SamplingParams) -> list[Row]:
-    """Checks every line (no model needed): id, prompt or messages, sampling fields."""
+def parse_rows(lines: Iterable[str | bytes], defaults: SamplingParams) -> list[Row]:
+    """Checks every line (no model needed): UTF-8 text, JSON, id, prompt or messages,
+    sampling fields. A line failing any check becomes an error row."""
     rows, seen = [], {}
     base = dataclasses.asdict(defaults)
     for n, text in enumerate(lines, start=1):
@@ -102,6 +100,12 @@ def parse_rows(lines: Iterable[str], defaults: SamplingParams) -> list[Row]:
             continue
         row = Row(line=n, id=None)
         rows.append(row)
+        if isinstance(text, bytes):
+            try:
+                text = text.decode("utf-8")
+            except UnicodeDecodeError as e:
+                row.error = f"line {n} is not UTF-8 text: byte {e.start} is {text[e.start]:#04x}"
+                continue
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
@@ -216,9 +220,10 @@ def encode(llm, row: Row) -> list[int]:
     return list(ids)
 
 
-def result_row(row_id: Any, seq) -> dict:
-    out = seq.output().outputs[0]
-    m = seq.metrics
+def result_row(row_id: Any, out) -> dict:
+    """The output row of a finished request (`RequestOutput`)."""
+    c = out.outputs[0]
+    m = out.metrics
     spec = m.spec
     metrics = m.as_dict() | {
         "acceptance_length": spec.acceptance_length if spec.num_drafts else None,
@@ -228,50 +233,49 @@ def result_row(row_id: Any, seq) -> dict:
     }
     return {
         "id": row_id,
-        "text": out.text,
-        "token_ids": out.token_ids,
-        "finish_reason": out.finish_reason,
+        "text": c.text,
+        "token_ids": c.token_ids,
+        "finish_reason": c.finish_reason,
         "metrics": metrics,
     }
 
 
 def stream(llm, rows: Iterable[Row]) -> Iterator[tuple[dict, int]]:
-    """Generates `rows` through `llm.engine`, yielding (output row, tokens) as each ends.
+    """Generates `rows` through `llm`'s request API, yielding (output row, tokens) as
+    each ends.
 
     Keeps at most `max_num_seqs` requests waiting, so a finished row is out
     (and durable) long before the file ends. Stops early when a worker is
-    lost for good (`engine.last_error`); those rows are not yielded, so a
+    lost for good (`llm.last_error`); those rows are not yielded, so a
     resumed run retries them.
     """
-    engine = llm.engine
     todo = iter(rows)
-    live: dict[int, Row] = {}
+    live: dict[str, Row] = {}
     exhausted = False
     while True:
-        while not exhausted and len(engine.waiting) < engine.max_num_seqs:
+        while not exhausted and llm.num_waiting_requests() < llm.max_num_seqs:
             row = next(todo, None)
             if row is None:
                 exhausted = True
                 break
             try:
                 ids = encode(llm, row)
+                prompt = {"prompt_token_ids": ids, "prompt": row.prompt}
+                live[llm.add_request(prompt, row.params)] = row
             except ValueError as e:
                 yield row.error_row(str(e)), 0
-                continue
-            seq = engine.add_request(str(row.id), row.prompt, ids, row.params)
-            live[id(seq)] = row
-        if not engine.has_unfinished_requests():
+        if not live:
             if exhausted:
                 return
             continue
-        for seq in engine.step():
-            if seq.finished and id(seq) in live:
-                row = live.pop(id(seq))
-                if seq.finish_reason == "error":
+        for out in llm.step():
+            if out.finished and out.request_id in live:
+                row = live.pop(out.request_id)
+                if out.outputs[0].finish_reason == "error":
                     continue
-                yield result_row(row.id, seq), len(seq.output_ids)
-        if engine.last_error is not None:
-            raise RuntimeError(f"generation stopped: {engine.last_error}")
+                yield result_row(row.id, out), len(out.outputs[0].token_ids)
+        if llm.last_error is not None:
+            raise RuntimeError(f"generation stopped: {llm.last_error}")
 
 
 class Progress:
@@ -322,12 +326,12 @@ def generate_file(
     llm, input_path: Path, output_path: Path, defaults: SamplingParams, *, progress: bool = True
 ) -> BatchResult:
     """The local path: one engine over the whole file (resumable; module docstring)."""
-    rows, done_ids, done_lines = _plan(input_path, output_path, defaults)
-    todo = [r for r in rows if not _done(r, done_ids, done_lines)]
+    rows, done_ids, done_lines = read_plan(input_path, output_path, defaults)
+    todo = [r for r in rows if not is_done(r, done_ids, done_lines)]
     writer = ResultWriter(output_path)
     bar = Progress(len(todo), progress)
     try:
-        _write_bad_rows(todo, writer, bar)
+        write_bad_rows(todo, writer, bar)
         for out, tokens in stream(llm, (r for r in todo if r.error is None)):
             writer.write(out)
             bar.update(out, tokens)
@@ -337,7 +341,7 @@ def generate_file(
     return BatchResult(writer.rows, writer.errors, len(rows) - len(todo), bar.summary())
 
 
-def _write_bad_rows(todo: list[Row], writer: ResultWriter, bar: Progress) -> None:
+def write_bad_rows(todo: list[Row], writer: ResultWriter, bar: Progress) -> None:
     """Rows that failed their checks are results too: written first, in input order."""
     for r in todo:
         if r.error is not None:
@@ -345,113 +349,18 @@ def _write_bad_rows(todo: list[Row], writer: ResultWriter, bar: Progress) -> Non
             bar.update({}, 0)
 
 
-def _plan(input_path: Path, output_path: Path, defaults: SamplingParams):
+def read_plan(input_path: Path, output_path: Path, defaults: SamplingParams):
     if not input_path.is_file():
         raise ValueError(f"Input file {str(input_path)!r} does not exist.")
-    with open(input_path, encoding="utf-8") as f:
-        rows = parse_rows(f, defaults)
+    # Read as bytes and decoded line by line: one line that is not UTF-8 is an error
+    # row, not the end of the run.
+    rows = parse_rows(input_path.read_bytes().splitlines(), defaults)
     done_ids, done_lines = done_keys(output_path)
     return rows, done_ids, done_lines
 
 
-def _done(row: Row, done_ids: set[str], done_lines: set[int]) -> bool:
+def is_done(row: Row, done_ids: set[str], done_lines: set[int]) -> bool:
     return row.line in done_lines or (row.error is None and row.key in done_ids)
-
-
-# ----------------------------------------------------------------------------- Ray Data
-
-
-class _EngineActor:
-    """One engine in a Ray Data actor pool: generates a batch of rows, returns JSON rows."""
-
-    def __init__(self, llm_kwargs: dict):
-        from specdec.api import LLM
-
-        self.llm = LLM(**llm_kwargs)
-
-    def __call__(self, batch: dict) -> dict:
-        import numpy as np
-
-        rows = []
-        for line, rid, prompt, messages, params in zip(
-            batch["line"],
-            batch["id"],
-            batch["prompt"],
-            batch["messages"],
-            batch["params"],
-            strict=True,
-        ):
-            rows.append(
-                Row(
-                    line=int(line),
-                    id=json.loads(rid),
-                    prompt=None if prompt == "" else str(prompt),
-                    messages=json.loads(messages) if messages else None,
-                    params=SamplingParams(**json.loads(params)),
-                )
-            )
-        out = [json.dumps([row, tokens]) for row, tokens in stream(self.llm, rows)]
-        return {"result": np.array(out, dtype=object)}
-
-
-def generate_file_ray(
-    llm_kwargs: dict,
-    input_path: Path,
-    output_path: Path,
-    defaults: SamplingParams,
-    *,
-    num_engines: int = 1,
-    batch_size: int = 16,
-    progress: bool = True,
-    address: str | None = None,
-) -> BatchResult:
-    """The Ray Data path: rows over an actor pool of `num_engines` engines."""
-    import ray
-
-    rows, done_ids, done_lines = _plan(input_path, output_path, defaults)
-    todo = [r for r in rows if not _done(r, done_ids, done_lines)]
-    env = {k: os.environ[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS") if k in os.environ}
-    if not ray.is_initialized():
-        ray.init(address=address, runtime_env={"env_vars": env} if env else None)
-    writer = ResultWriter(output_path)
-    bar = Progress(len(todo), progress)
-    try:
-        _write_bad_rows(todo, writer, bar)
-        good = [
-            {
-                "line": r.line,
-                "id": json.dumps(r.id),
-                "prompt": r.prompt or "",
-                "messages": json.dumps(r.messages) if r.messages is not None else "",
-                "params": json.dumps(dataclasses.asdict(r.params)),
-            }
-            for r in todo
-            if r.error is None
-        ]
-        if good:
-            ds = ray.data.from_items(good).map_batches(
-                _EngineActor,
-                fn_constructor_kwargs={"llm_kwargs": llm_kwargs},
-                batch_size=batch_size,
-                runtime_env={"env_vars": env} if env else None,
-                **_pool(ray.data, num_engines),
-            )
-            for batch in ds.iter_batches(batch_size=None):
-                for blob in batch["result"]:
-                    out, tokens = json.loads(blob)
-                    writer.write(out)
-                    bar.update(out, tokens)
-    finally:
-        bar.close()
-        writer.close()
-    return BatchResult(writer.rows, writer.errors, len(rows) - len(todo), bar.summary())
-
-
-def _pool(data, n: int) -> dict:
-    """An actor pool of n engines, in whichever form this Ray Data takes it."""
-    if hasattr(data, "ActorPoolStrategy"):
-        return {"compute": data.ActorPoolStrategy(size=n)}
-    return {"concurrency": n}
 
 
 # ----------------------------------------------------------------------------- command line
@@ -459,8 +368,6 @@ def _pool(data, n: int) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`specdec batch` flags: model and sampling flags as `specdec generate`, plus I/O."""
-    from specdec.cli import add_model_arguments, add_sampling_arguments
-
     parser.add_argument("--input", required=True, type=Path, help="prompts, one JSON per line")
     parser.add_argument("--output", required=True, type=Path, help="results JSONL (appended)")
     add_model_arguments(parser)
@@ -475,8 +382,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def llm_kwargs(args) -> dict:
     """LLM(...) keyword arguments from the model flags (ValueError on a missing folder)."""
-    from specdec.cli import speculative_from_args
-
     if not Path(args.model).exists():
         raise ValueError(f"Model folder {args.model!r} does not exist.")
     return {
@@ -487,43 +392,3 @@ def llm_kwargs(args) -> dict:
         "speculative_config": speculative_from_args(args),
         "kernel": args.kernel,
     }
-
-
-def run(args) -> int:
-    """`specdec batch`: exit status 0 once every input row has an output row.
-
-    Bad rows are results too (error rows, counted in the summary line), so they
-    do not fail the run; a run that cannot go on stops with exit status 1 (bad
-    arguments: 2), keeping the rows written so far.
-    """
-    from specdec.cli import sampling_from_args
-
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    defaults = sampling_from_args(args)
-    kwargs = llm_kwargs(args)
-    progress = not args.no_progress
-    if args.ray:
-        result = generate_file_ray(
-            kwargs,
-            args.input,
-            args.output,
-            defaults,
-            num_engines=args.num_engines,
-            batch_size=args.ray_batch_size,
-            progress=progress,
-            address=args.ray_address,
-        )
-    else:
-        from specdec.api import LLM
-
-        llm = LLM(**kwargs)
-        result = generate_file(llm, args.input, args.output, defaults, progress=progress)
-    s = result.summary
-    print(
-        f"specdec batch: wrote {result.rows} rows ({result.errors} errors), skipped "
-        f"{result.skipped} already done; {s['output_tokens']} tokens in {s['seconds']:.1f} s"
-        + (f", acceptance length {s['acceptance_length']:.2f}" if s["acceptance_length"] else ""),
-        file=sys.stderr,
-    )
-    return 0

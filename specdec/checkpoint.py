@@ -18,7 +18,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from specdec.kernels.config import Architecture, ModelConfig, RopeScaling
@@ -133,12 +133,16 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
     p = _config_path(path)
     try:
         hf = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{p} is not valid JSON: {e}.") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{p} must hold a JSON object, got a JSON {type(hf).__name__}.")
     try:
         return config_from_hf(hf)
     except KeyError as e:
         raise ValueError(f"{p} lacks the required field {e.args[0]!r}.") from None
+    except TypeError as e:  # e.g. "num_hidden_layers": null or a list
+        raise ValueError(f"{p} has a field of the wrong type: {e}.") from None
 
 
 def checkpoint_dtype(path: str | os.PathLike) -> str | None:
@@ -252,19 +256,49 @@ def _ignored(name: str, cfg: ModelConfig) -> bool:
 # ----------------------------------------------------------------------------- loading
 
 
+def _open(path: Path):
+    """`safe_open` on a weight file; a truncated or corrupt one is a ValueError naming it
+    (one line, so the CLI prints one `error:` line), never a raw SafetensorError."""
+    try:
+        return safe_open(path, "np")
+    except (SafetensorError, OSError) as e:
+        raise _damaged(path, e) from None
+
+
+def _damaged(path: Path, error: Exception) -> ValueError:
+    why = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return ValueError(
+        f"Weight file {path} is not a readable safetensors file (truncated or corrupt?): {why}."
+    )
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The `weight_map` (tensor name -> shard file name) of a safetensors index."""
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"Index {index} is not valid JSON (truncated or corrupt?): {e}.") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(f, str) and f for f in weight_map.values()
+    ):
+        raise ValueError(
+            f'Index {index} is not a valid safetensors index: it needs a "weight_map" '
+            "object mapping each tensor name to a shard file name."
+        )
+    return weight_map
+
+
 def _weight_files(folder: Path) -> tuple[dict[str, Path], list[str]]:
     """Maps tensor name -> file; also returns the names of missing shard files."""
     single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index} is not a valid safetensors index: {e!r}.") from None
+        weight_map = _read_index(index)
         missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
         return {n: folder / f for n, f in weight_map.items()}, missing
     if single.is_file():
-        with safe_open(single, "np") as f:
+        with _open(single) as f:
             return {n: single for n in f.keys()}, []
     raise ValueError(
         f"No weights in {folder}: expected model.safetensors or model.safetensors.index.json."
@@ -279,7 +313,7 @@ def _read_shapes(files: dict[str, Path], missing_files: list[str]) -> dict[str, 
     for f, names in by_file.items():
         if f.name in missing_files:
             continue
-        with safe_open(f, "np") as h:
+        with _open(f) as h:
             present = set(h.keys())
             for n in names:
                 if n in present:
@@ -325,16 +359,21 @@ def _tensors(files: dict[str, Path], names: list[str]) -> Iterator[tuple[str, np
     for n in names:
         by_file.setdefault(files[n], []).append(n)
     for f, ns in by_file.items():
-        with safe_open(f, "np") as h:
+        with _open(f) as h:
             for n in ns:
-                yield n, h.get_tensor(n)
+                try:
+                    tensor = h.get_tensor(n)
+                except (SafetensorError, OSError) as e:
+                    raise _damaged(f, e) from None
+                yield n, tensor
 
 
 def load_model(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, Params]:
     """Reads a Hugging Face model folder into (`ModelConfig`, params in `dtype`).
 
     Every defect (missing / unexpected tensors, wrong shapes, missing shard files)
-    is reported together in one ValueError.
+    is reported together in one ValueError; a truncated or corrupt weight file or
+    index is a ValueError naming that file.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}.")

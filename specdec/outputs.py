@@ -1,6 +1,6 @@
 """What `LLM.generate` returns (vLLM's shapes), plus speculative-decoding metrics.
 
-Vocabulary (DESIGN.md): each step the drafter proposes *draft tokens* (tree
+Vocabulary (docs/design.md): each step the drafter proposes *draft tokens* (tree
 nodes); the target keeps the *accepted tokens* on one path and adds one *bonus
 token*. acceptance length = 1 + accepted tokens per step; acceptance rate =
 accepted tokens / draft tokens.

@@ -15,20 +15,18 @@ The acceptance prior is a fixed table from EAGLE-2-style trees with a
 distilled draft (measured acceptance replaces it once online adaptation
 lands). Example: cost ratios [1, 1.1, 1.3, 2.2, 4.0] for N = 4..64 pick N = 16.
 
-One wide [m, D] x [D, L * 3F] product (this module before) stayed nearly flat
-to 65 rows on 2 CPU cores (1.48x) while the demo target's real products cost
-1.2x at 5 rows and 1.8x at 17: it picked 64 nodes where 8 measured fastest.
-The draft's cost is not counted (yet).
+The real matrices are timed, not one wide product: a single [m, D] x [D, L * 3F]
+product stays flat to far more rows than a model's separate products do, and
+would pick trees far too big. The draft's cost is not counted (yet).
 
 On CPU each row count is timed under each dot library worth trying
 (`kernels/dot_library.py`: XLA's default YNNPACK path, or its Eigen GEMM for
 float32); cost(N) takes the faster, and the target's verify is compiled for
-the library that won at its row count (`best_library`). One row is timed in
+the library that won at its row count (`specdec/plan.py`). One row is timed in
 the layout a one-slot float32 target reads then, its [out, in] copies
-(`transformer.decode_copies`; 2.25 against 2.43 ms on the demo target on a
-Zen 5, which makes every tree relatively dearer there). Timings are kept per
-machine, dtype and model shape in $SPECDEC_CACHE/product_costs_v2.json (v1
-timed one row in the [in, out] layout).
+(`xla_layout.one_row_copies`). Timings are kept per machine, dtype and model
+shape in $SPECDEC_CACHE/product_costs_v2.json. Everything here runs when a plan
+is made (`specdec/plan.py`), never while requests are served.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from specdec.kernels import dot_library, transformer
+from specdec.kernels import dot_library, xla_layout
 from specdec.kernels.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -64,8 +62,7 @@ class TreePlan:
 
 # (num_nodes, max_depth, topk, expected acceptance length) for a distilled draft. The
 # smallest is the depth-4 chain plus its best side branch (topk 2 offers every
-# second-best child): on XLA CPU's Eigen products 6 rows cost what 5 do (`dot_library`),
-# and the demo pair accepted 3.44 tokens a step with it against 3.15 for the chain.
+# second-best child), which accepts more than the chain at about the chain's cost.
 CANDIDATES = ((5, 4, 2, 2.7), (8, 5, 2, 2.9), (16, 6, 4, 3.3), (32, 6, 4, 3.6), (64, 7, 4, 3.8))
 
 
@@ -109,11 +106,12 @@ def product_costs(
         shapes.append(shape)
         total += shape[0] * shape[1] * itemsize
     ws = [{"w": jnp.full(shape, 0.01, dtype)} for shape in shapes]
-    if transformer.wants_decode_copies(cfg, dtype):
-        # One-row steps read [out, in] copies (`transformer.decode_copies`): time those.
-        ws = [{**w, "w_t": jnp.transpose(w["w"])} for w in ws]
+    if xla_layout.wants_one_row_copies(cfg, dtype):
+        # One-row steps read [out, in] copies (`xla_layout.one_row_copies`): time those.
+        ws = [{**w, "one_row": {"w": jnp.transpose(w["w"])}} for w in ws]
+    layout = xla_layout.for_backend(cfg)  # the products as the runner lays them out
     jits = dot_library.jit_each(
-        lambda ws, xs: [transformer.linear(w, "w", x) for x, w in zip(xs, ws, strict=True)]
+        lambda ws, xs: [layout.linear(w, "w", x) for x, w in zip(xs, ws, strict=True)]
     )
     out: dict[str, dict[int, float]] = {}
     for name in libraries(cfg, dtype):

@@ -1,6 +1,6 @@
 """The target worker: its model and KV cache, and the fused verify step.
 
-`ModelRunner` (kernels/kv_cache.py) owns one model's params, KV cache and
+`ModelRunner` (kernels/runner.py) owns one model's params, KV cache and
 per-slot committed lengths; the target worker and the model drafter each hold
 one (composition: neither inherits from the other). `TargetWorker` adds the verify step: the tree
 forward over `[root, node_0, ..., node_{N-1}]`, the target sampling
@@ -30,20 +30,12 @@ from specdec.draft.model import ModelDrafter
 from specdec.draft.ngram import NgramDrafter
 from specdec.kernels import dot_library, transformer
 from specdec.kernels.config import ModelConfig
-from specdec.kernels.kv_cache import ModelRunner
-from specdec.kernels.megakernel.reference import tree_block
-from specdec.kernels.transformer import KVCache, Params
+from specdec.kernels.megakernel.reference import decide, tree_block
+from specdec.kernels.runner import ModelRunner
+from specdec.kernels.transformer import KVCache, Layout, Params
 from specdec.params import SpeculativeConfig
-from specdec.sizing import (
-    LIBRARY_MIN_BYTES,
-    best_library,
-    cached_costs,
-    cached_plan,
-    describe,
-    fastest,
-    weight_bytes,
-)
-from specdec.verify.acceptance import ACCEPTANCE_RULES, Verdict, emitted_tokens, greedy_accept
+from specdec.plan import Plan, make_plan, verify_widths
+from specdec.verify.acceptance import Verdict, emitted_tokens
 from specdec.verify.batch import SamplingBatch
 from specdec.verify.sampling import sample_from_uniform
 from specdec.verify.tree import ChildSampling
@@ -65,55 +57,35 @@ def _verify_step(
     cfg: ModelConfig,
     child_sampling: ChildSampling,
     kv_len: int | None = None,
+    layout: Layout = transformer.REFERENCE,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Tree forward + acceptance, fused; the cache is only read.
+    """The reference verify step (`megakernel.reference`: the same block, the same
+    `decide`) in the runner's layout, with the cache only read.
 
     Returns emitted i32[B, N+1], num_accepted i32[B], accepted_nodes i32[B, N] and
-    the block's K/V [L, B, N+1, K, hd]; `commit_path` then writes the kept part.
+    the block's K/V [L, B, N+1, K, hd]; `commit_path` then writes the kept part
+    (XLA on CPU copies the whole cache when one program both reads it and
+    updates it in place).
 
-    `emitted[b]` holds the accepted tokens then the bonus token, then -1. Greedy
-    rows (temperature 0) use the exact argmax walk; the others use the
-    stochastic rule registered for `child_sampling`.
+    `emitted[b]` holds the accepted tokens then the bonus token, then -1.
     """
-    b, n = tokens.shape
+    n = tokens.shape[1]
     block, positions, mask = tree_block(roots, tokens, parents, cache_lens)
     logits, ks, vs = transformer.block_logits_kv(
         params, cache, block, positions, mask, slots, cache_lens, cfg=cfg, kv_len=kv_len,
-        rows_are_slots=True,
+        rows_are_slots=True, layout=layout,
     )  # fmt: skip
-    logits = sampling.penalize(logits, block, mask)  # before greedy and sampled choices alike
-    is_greedy = sampling.temperature == 0
-    argmax = jnp.argmax(logits, axis=-1)  # [B, N+1], lowest id on ties
-    if n == 0:  # plain decode: the bonus token is the only token
-
-        def draw(_):
-            u = sampling.uniforms(1)[:, 0]
-            return jax.vmap(sample_from_uniform)(sampling.probs(logits)[:, 0], u)
-
-        # Sorting the vocabulary for top-p only happens when some row samples.
-        sampled = jax.lax.cond(jnp.all(is_greedy), lambda _: argmax[:, 0], draw, None)
-        bonus = jnp.where(is_greedy, argmax[:, 0], sampled).astype(jnp.int32)
-        return bonus[:, None], jnp.zeros_like(bonus), jnp.zeros((b, 0), jnp.int32), ks, vs
-    greedy = jax.vmap(greedy_accept)(tokens, parents, argmax)
-
-    def stochastic(_):
-        rule = ACCEPTANCE_RULES[child_sampling]
-        p = sampling.probs(logits)  # [B, N+1, V]
-        return jax.vmap(rule)(tokens, parents, p, draft_probs, sampling.uniforms(n + 1))
-
-    sampled = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy, stochastic, None)
-    verdict = jax.tree.map(
-        lambda g, s: jnp.where(is_greedy.reshape((-1,) + (1,) * (g.ndim - 1)), g, s),
-        greedy,
-        sampled,
-    )
+    verdict = decide(
+        logits, block, mask, tokens, parents, draft_probs, sampling, sampling.uniforms(n + 1),
+        child_sampling,
+    )  # fmt: skip
     emitted = jax.vmap(emitted_tokens)(tokens, verdict)
     return emitted, verdict.num_accepted, verdict.accepted_nodes, ks, vs
 
 
 # One compiled copy per CPU dot library (`dot_library`); `verify_step` = XLA's default.
 VERIFY_STEPS = dot_library.jit_each(
-    _verify_step, static_argnames=("cfg", "child_sampling", "kv_len")
+    _verify_step, static_argnames=("cfg", "child_sampling", "kv_len", "layout")
 )
 verify_step = VERIFY_STEPS["default"]
 
@@ -141,22 +113,6 @@ def sample_first(logits: jax.Array, sampling: SamplingBatch) -> jax.Array:
     """First output token per row from last-prompt-token logits f32[B, V] -> i32[B]."""
     p = sampling.probs(sampling.penalize(logits[:, None]))[:, 0]
     return jax.vmap(sample_from_uniform)(p, sampling.uniforms(1)[:, 0])
-
-
-def verify_widths(n: int) -> tuple[int, ...]:
-    """Tree widths a verify of trees padded to `n` nodes may run at: 0 (plain
-    decoding), the powers of two from 4 below n, and n. Example: 16 -> (0, 4, 8, 16).
-
-    Each width is traced and compiled (about 0.7 s for the demo target, once per
-    process and KV length) the first time a step needs it: a short one-off run
-    can lose what it gains (`specdec generate --method ngram`, 96 tokens: 62
-    tokens/s against 90 with one width), a long or repeated one gains (1.44x AR
-    against 1.10x on the held-out prompts)."""
-    widths, w = {0, n}, 4
-    while w < n:
-        widths.add(w)
-        w *= 2
-    return tuple(sorted(widths))
 
 
 def on_host(tree: DraftBatch) -> bool:
@@ -193,9 +149,9 @@ class WidthChooser:
     """Which `verify_widths` width a step verifies host-side trees at, given what
     each width costs and how many of its nodes the target has been accepting.
 
-    `narrowest` keeps every node; at 8 sequences a step that costs more than it
-    wins: the n-gram drafter's 9-row trees made batch-8 decoding 0.89x AR, since
-    one row with a match kept the whole batch at full width. This picks, among the
+    `narrowest` keeps every node; at 8 sequences that can cost more than it wins,
+    since one row with a match keeps the whole batch at full width. This picks,
+    among the
     widths no wider than `narrowest`'s, the one with the most expected tokens per
     unit of cost,
 
@@ -209,9 +165,8 @@ class WidthChooser:
     towards `prior`, so a drafter that was skipped gets tried again later.
 
     Everything here is a function of the costs and the verdicts so far, with no
-    timing of its own: given the same cost table (timed once per machine and
-    model shape, then kept in $SPECDEC_CACHE) a seeded run repeats its choices,
-    and so its output.
+    timing of its own: given the same plan (`Plan.width_cost`) a seeded run
+    repeats its choices, and so its output.
     """
 
     def __init__(self, cost, *, prior: float = 0.5, learn: float = 0.1, relax: float = 0.02):
@@ -283,6 +238,7 @@ def _verify_xla(r: ModelRunner, cfg, roots, tree: DraftBatch, slots, active, sam
         r.cache_lens.copy(),  # never hand jax a buffer we mutate later
         sampling, cfg=cfg, child_sampling=tree.child_sampling,
         kv_len=r.kv_len(active, int(r.cache_lens[active].max(initial=0)) + 2 + n),
+        layout=r.layout.for_library(library),
     )  # fmt: skip
     r.cache = commit_path(r.cache, ks, vs, slots, r.cache_lens.copy(), accepted)
     return emitted, num, accepted
@@ -326,9 +282,15 @@ class TargetWorker:
         max_tree_nodes: int = 0,
         prefill_chunk: int = 512,
         kernel: KernelName = "auto",
+        plan: Plan | None = None,  # None = made here (`plan.make_plan`)
     ):
         self.cfg = cfg
         self.max_tree_nodes = max_tree_nodes
+        if plan is None:
+            dtype = jnp.dtype(params["embed"].dtype).name
+            plan = make_plan(cfg, dtype=dtype, spec=None, num_slots=num_slots,
+                             max_tree_nodes=max_tree_nodes)  # fmt: skip
+        self.plan = plan
         self.kernel = resolve_kernel(kernel, cfg)
         self._verify = VERIFY_BACKENDS[self.kernel]
         self.runner = ModelRunner(
@@ -338,13 +300,11 @@ class TargetWorker:
             max_len=max_model_len + max_tree_nodes + 1,
             prefill_chunk=prefill_chunk,
             stacked=self.kernel == "megakernel",  # the kernel streams [L, ...] weights
-            decode_copies=num_slots == 1,  # then every plain decode step is one row
+            one_row=num_slots == 1,  # then every plain decode step is one row
         )
-        self._libraries: dict[int, str] = {}  # verify rows -> dot library (CPU, `sizing`)
-        self._width_costs: dict[int, float] = {}
         # Host trees' verify width; None = always the narrowest that holds every node
         # (what a benchmark of the verify cost per tree size needs).
-        self.widths: WidthChooser | None = WidthChooser(self.width_cost)
+        self.widths: WidthChooser | None = WidthChooser(plan.width_cost)
 
     @property
     def cache_lens(self) -> np.ndarray:
@@ -378,10 +338,11 @@ class TargetWorker:
         if host and tree.tokens.shape[1] > 0:
             tree = truncate(tree, self.widths.choose(tree.parents, active))
         slots = np.where(active, np.arange(r.num_slots, dtype=np.int32), -1).astype(np.int32)
-        # The megakernel's in-kernel greedy walk knows no repetition penalty: steps with
-        # a penalised row take the XLA verify, which computes the same verdict otherwise.
+        # Steps with a penalised row take the XLA verify: the megakernel's verdict would
+        # be the same (`reference.decide` redoes its greedy walk on penalised logits),
+        # but without the in-kernel walk it pays the kernel's cost for nothing here.
         verify = _verify_xla if sampling.seen is not None else self._verify
-        library = self.dot_library(r.num_slots * (tree.tokens.shape[1] + 1))
+        library = self.plan.library(r.num_slots * (tree.tokens.shape[1] + 1))
         emitted, num, accepted = verify(r, self.cfg, roots, tree, slots, active, sampling,
                                         library)  # fmt: skip
         emitted, num, accepted = np.asarray(emitted), np.asarray(num), np.asarray(accepted)
@@ -396,33 +357,8 @@ class TargetWorker:
     def release(self, slot: int) -> None:
         self.runner.release(slot)
 
-    def width_cost(self, width: int) -> float:
-        """A verify of trees `width` nodes wide relative to a plain decode step, by the
-        weight products' timings at those row counts (`sizing.cached_costs`, in the
-        faster library). 1 for a model whose products are not what a step waits on
-        (below `sizing.LIBRARY_MIN_BYTES`): there every width costs about the same."""
-        if width not in self._width_costs:
-            dtype = self.runner.params["embed"].dtype
-            if weight_bytes(self.cfg, dtype) < LIBRARY_MIN_BYTES:
-                self._width_costs[width] = 1.0
-            else:
-                s = self.runner.num_slots
-                best = fastest(cached_costs(self.cfg, dtype, [s, s * (width + 1)]))
-                self._width_costs[width] = best[s * (width + 1)] / best[s]
-        return self._width_costs[width]
-
-    def dot_library(self, rows: int) -> str:
-        """The CPU dot library for a verify over `rows` query rows: the one whose
-        weight products timed faster at that row count (`sizing.best_library`)."""
-        if rows not in self._libraries:
-            dtype = self.runner.params["embed"].dtype
-            self._libraries[rows] = best_library(self.cfg, dtype, rows)
-        return self._libraries[rows]
-
 
 # ----------------------------------------------------------------------------- drafters
-
-AUTO_NGRAM_NODES = 8  # n-gram trees are cheap to draft but rarely deep: a fixed budget
 
 
 def _vocab_limit(target_path, target_cfg: ModelConfig, draft_path, draft_cfg) -> int:
@@ -460,30 +396,25 @@ def _vocab_limit(target_path, target_cfg: ModelConfig, draft_path, draft_cfg) ->
 
 
 def _model_drafter(spec: SpeculativeConfig, *, target_path, target_config, num_slots,
-                   max_model_len, dtype):  # fmt: skip
+                   max_model_len, plan: Plan):  # fmt: skip
     draft_path = Path(spec.model)
     if not draft_path.exists():
         raise ValueError(f"Draft model path {spec.model!r} does not exist.")
-    cfg, params = load_model(draft_path, dtype=dtype)
+    cfg, params = load_model(draft_path, dtype=plan.dtype)
     limit = _vocab_limit(target_path, target_config, draft_path, cfg)
-    n, depth, topk = spec.num_speculative_tokens, spec.max_depth, spec.topk
-    if n == "auto":  # sized for this machine and batch from its measured verify-cost curve
-        plan = cached_plan(target_config, params["embed"].dtype, batch=num_slots)
-        logger.info("num_speculative_tokens='auto': %s", describe(plan))
-        n, depth, topk = plan.num_nodes, plan.max_depth, min(topk, plan.topk)
+    tree = plan.tree
     return ModelDrafter(
-        cfg, params, num_slots=num_slots, max_model_len=max_model_len, num_nodes=n,
-        max_depth=depth, topk=topk, vocab_limit=limit,
+        cfg, params, num_slots=num_slots, max_model_len=max_model_len, num_nodes=tree.num_nodes,
+        max_depth=tree.max_depth, topk=tree.topk, vocab_limit=limit,
     )  # fmt: skip
 
 
 def _ngram_drafter(spec: SpeculativeConfig, *, target_path, target_config, num_slots,
-                   max_model_len, dtype):  # fmt: skip
-    n = spec.num_speculative_tokens
-    n = AUTO_NGRAM_NODES if n == "auto" else n
+                   max_model_len, plan: Plan):  # fmt: skip
+    tree = plan.tree
     return NgramDrafter(
-        num_slots=num_slots, num_nodes=n, max_depth=spec.max_depth, topk=spec.topk,
-        min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max,
+        num_slots=num_slots, num_nodes=tree.num_nodes, max_depth=tree.max_depth,
+        topk=tree.topk, min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max,
         vocab_size=target_config.vocab_size,
     )  # fmt: skip
 
@@ -491,6 +422,8 @@ def _ngram_drafter(spec: SpeculativeConfig, *, target_path, target_config, num_s
 DRAFTERS = {"draft_model": _model_drafter, "ngram": _ngram_drafter}
 
 
-def build_drafter(spec: SpeculativeConfig, **kwargs) -> Drafter:
-    """The drafter `spec.method` names, sized for the engine (see DRAFTERS)."""
-    return DRAFTERS[spec.method](spec, **kwargs)
+def build_drafter(spec: SpeculativeConfig, *, plan: Plan, **kwargs) -> Drafter:
+    """The drafter `spec.method` names, with the plan's tree (see DRAFTERS)."""
+    if plan.tree is None:
+        raise ValueError("build_drafter needs a plan made with the speculative config.")
+    return DRAFTERS[spec.method](spec, plan=plan, **kwargs)

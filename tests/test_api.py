@@ -251,7 +251,8 @@ def test_auto_dtype_follows_a_bfloat16_checkpoint(tmp_path, declared, expected):
     """dtype="auto" on CPU: bfloat16 checkpoints stay bfloat16, everything else float32."""
     import json
 
-    from specdec.api import default_dtype
+    from specdec.plan import resolve_dtype
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **declared}))
-    assert default_dtype(tmp_path) == expected
+    assert resolve_dtype(tmp_path) == expected
+    assert resolve_dtype(tmp_path, "float32") == "float32"  # an explicit dtype stays

@@ -105,6 +105,22 @@ def test_generate_file_rows_messages_errors_and_resume(model, tmp_path):
     assert len(out.read_text().splitlines()) == 4
 
 
+def test_a_line_that_is_not_utf8_is_an_error_row_and_the_run_goes_on(model, tmp_path):
+    llm = LLM(model, max_model_len=48, max_num_seqs=2)
+    src = tmp_path / "in.jsonl"
+    good = lines({"id": "a", "prompt": "def fib(n):"}, {"id": "b", "prompt": "class P:"})
+    # Line 2 holds a Latin-1 byte (0xe9): not UTF-8.
+    src.write_bytes(good[0].encode() + b"\n" + b'{"id": "caf\xe9", "prompt": "x"}\n'
+                    + good[1].encode() + b"\n")  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    res = generate_file(llm, src, out, DEFAULTS, progress=False)
+    assert (res.rows, res.errors) == (3, 1)
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    (bad,) = [r for r in rows if "error" in r]
+    assert bad["line"] == 2 and bad["error"] == "line 2 is not UTF-8 text: byte 11 is 0xe9"
+    assert sorted(r["id"] for r in rows if "error" not in r) == ["a", "b"]
+
+
 def write_200(path) -> None:
     """200 rows, 5 of them bad (missing id, empty prompt, bad sampling values, no messages)."""
     words = ["def", "fib", "class", "Point", "print", "range", "hello", "return", "self"]

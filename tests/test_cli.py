@@ -39,6 +39,20 @@ def test_generate_json_matches_api(pair, capsys):
     assert result["num_tokens"] == 10 and result["method"] == "ngram"
 
 
+def test_a_model_without_a_draft_runs_ngram_and_says_so(pair, capsys):
+    argv = ["generate", "class Point:", "--model", str(pair), "--max-tokens", "6",
+            "--max-model-len", "64", "--json", "--ignore-eos"]  # fmt: skip
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["method"] == "ngram" and json.loads(out)["num_tokens"] == 6
+    notes = [x for x in err.splitlines() if "n-gram prompt lookup" in x]
+    assert notes == ["specdec: no --draft given: drafting with n-gram prompt lookup "
+                     "(--method ngram); --method none decodes without speculation"]  # fmt: skip
+    assert main(argv + ["--method", "none"]) == 0  # plain decoding: no note
+    out, err = capsys.readouterr()
+    assert json.loads(out)["method"] == "none" and "n-gram" not in err
+
+
 def test_generate_bad_input_is_a_clear_error(pair, capsys):
     rc = main(["generate", "x", "--model", str(pair), "--method", "none", "--top-p", "2"])
     err = capsys.readouterr().err
@@ -56,7 +70,7 @@ def test_sampling_flags_over_generation_config_over_cli_defaults(tmp_path):
     import argparse
     import json
 
-    from specdec.cli import add_sampling_arguments, sampling_from_args
+    from specdec.flags import add_sampling_arguments, sampling_from_args
 
     p = argparse.ArgumentParser()
     add_sampling_arguments(p)

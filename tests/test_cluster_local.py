@@ -15,7 +15,7 @@ from test_cluster import GREEDY, MAX_LEN, SPEC
 
 from specdec import LLM, SamplingParams
 from specdec.cluster import messages as m
-from specdec.cluster.actors import DraftWorker, StaleIncarnation, TargetWorker
+from specdec.cluster.actors import DraftActor, StaleIncarnation, TargetActor
 from specdec.cluster.config import ClusterConfig, GroupConfig
 from specdec.cluster.remote import LocalEndpoint, RemoteDrafter, RemoteTarget, WorkerDown
 from specdec.draft.base import DraftBatch
@@ -117,11 +117,11 @@ def spec(models):
 
 
 def local_engine(models, spec, overlap):
-    dw = DraftWorker(spec, target_model=str(models[0]), dtype="float32", num_slots=8,
+    dw = DraftActor(spec, target_model=str(models[0]), dtype="float32", num_slots=8,
                      max_model_len=MAX_LEN)  # fmt: skip
     drafter = RemoteDrafter(LocalEndpoint("draft", [dw]), num_slots=8, vocab_size=320,
                             overlap=overlap)  # fmt: skip
-    tw = TargetWorker(str(models[0]), dtype="float32", num_slots=8, max_model_len=MAX_LEN,
+    tw = TargetActor(str(models[0]), dtype="float32", num_slots=8, max_model_len=MAX_LEN,
                       max_tree_nodes=drafter.max_nodes)  # fmt: skip
     target = RemoteTarget(LocalEndpoint("target", [tw]), num_slots=8,
                           max_tree_nodes=drafter.max_nodes, vocab_size=320)  # fmt: skip
@@ -214,22 +214,22 @@ def test_auto_dtype_is_decided_in_each_actor(models, spec, monkeypatch):
     the rows a step verifies, and the target reports what it chose."""
     import jax.numpy as jnp
 
-    import specdec.api as api
+    import specdec.plan as plan
     from specdec.params import SpeculativeConfig
 
     asked = []
 
-    def fake(folder, *, rows=None):
+    def fake(folder, requested="auto", *, rows=None):
         asked.append((str(folder), rows))
         return "bfloat16"
 
-    monkeypatch.setattr(api, "default_dtype", fake)
-    dw = DraftWorker(spec, target_model=str(models[0]), dtype="auto", num_slots=2,
+    monkeypatch.setattr(plan, "resolve_dtype", fake)
+    dw = DraftActor(spec, target_model=str(models[0]), dtype="auto", num_slots=2,
                      max_model_len=MAX_LEN)  # fmt: skip
     n = dw.drafter.max_nodes
-    tw = TargetWorker(str(models[0]), dtype="auto", num_slots=2, max_model_len=MAX_LEN,
+    tw = TargetActor(str(models[0]), dtype="auto", num_slots=2, max_model_len=MAX_LEN,
                       max_tree_nodes=n)  # fmt: skip
-    rows = api.verify_rows(SpeculativeConfig.from_dict(spec), 2)
+    rows = plan.verify_rows(SpeculativeConfig.from_dict(spec), 2)
     assert asked == [(str(models[0]), rows), (str(models[0]), 2 * (1 + n))]
     assert m.unpack(tw.hello(), "hello")["dtype"] == "bfloat16"
     assert tw.worker.runner.params["embed"].dtype == jnp.bfloat16

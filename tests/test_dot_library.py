@@ -11,8 +11,8 @@ from fixtures import tiny_config, tiny_pair
 
 from specdec import LLM, SamplingParams, sizing, workers
 from specdec.checkpoint import load_config
-from specdec.kernels import dot_library, transformer
-from specdec.kernels.kv_cache import ModelRunner
+from specdec.kernels import dot_library, transformer, xla_layout
+from specdec.kernels.runner import ModelRunner
 from specdec.kernels.transformer import init_params, unstack_layers
 
 DEMO_TARGET = Path(sizing.__file__).parent / "assets" / "demo" / "target"
@@ -44,9 +44,9 @@ def test_untie_head_gives_the_same_logits():
     cfg = tiny_config(tie_word_embeddings=True)
     params = unstack_layers(init_params(cfg, jax.random.key(0)))
     assert "lm_head" not in params
-    untied = transformer.untie_head(params)
+    untied = xla_layout.untie_head(params)
     np.testing.assert_array_equal(untied["lm_head"], np.asarray(params["embed"]).T)
-    assert transformer.untie_head(untied) is untied  # idempotent
+    assert xla_layout.untie_head(untied) is untied  # idempotent
     x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3, cfg.hidden_size)), jnp.float32)
     want = transformer.lm_head(cfg, params, x)
     np.testing.assert_allclose(transformer.lm_head(cfg, untied, x), want, rtol=1e-6, atol=1e-6)
@@ -57,69 +57,74 @@ def test_untie_head_gives_the_same_logits():
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_decode_copies_serve_one_row_products_and_only_those(tied):
+def test_one_row_copies_serve_one_row_products_and_only_those(tied):
     cfg = tiny_config(tie_word_embeddings=tied)
-    params = transformer.untie_head(unstack_layers(init_params(cfg, jax.random.key(0))))
-    copies = transformer.decode_copies(params, tied)
+    params = xla_layout.untie_head(unstack_layers(init_params(cfg, jax.random.key(0))))
+    copies = xla_layout.one_row_copies(params, tied)
     for lp, cp in zip(params["layers"], copies["layers"], strict=True):
-        names = [k for k in transformer.DECODE_KEYS if k in lp]
-        assert names and {k + "_t" for k in names} <= set(cp)
+        names = [k for k in xla_layout.ONE_ROW_KEYS if k in lp]
+        assert names and set(names) <= set(cp["one_row"])
         for k in names:
-            np.testing.assert_array_equal(cp[k + "_t"], np.asarray(lp[k]).T)
+            np.testing.assert_array_equal(cp["one_row"][k], np.asarray(lp[k]).T)
+    head = copies["one_row"]["lm_head"]
     if tied:  # the tied head's [V, D] layout is the embedding itself: no copy
-        assert copies["lm_head_t"] is params["embed"]
+        assert head is params["embed"]
     else:
-        np.testing.assert_array_equal(copies["lm_head_t"], np.asarray(params["lm_head"]).T)
+        np.testing.assert_array_equal(head, np.asarray(params["lm_head"]).T)
     rng = np.random.default_rng(0)
     one = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 1)), jnp.int32)
+    layout = xla_layout.XlaLayout()
     np.testing.assert_allclose(
-        transformer.prefill_logits(copies, cfg, one, [1]),
+        transformer.prefill_logits(copies, cfg, one, [1], layout),
         transformer.prefill_logits(params, cfg, one, [1]), rtol=1e-5, atol=1e-5,
     )  # fmt: skip
     # One row reads the copies, more rows the originals: spoil the copies to see which.
-    spoiled = {**copies, "lm_head_t": jnp.zeros_like(copies["lm_head_t"])}
-    assert not np.any(transformer.prefill_logits(spoiled, cfg, one, [1]))
+    spoiled = {**copies, "one_row": {"lm_head": jnp.zeros_like(head)}}
+    assert not np.any(transformer.prefill_logits(spoiled, cfg, one, [1], layout))
+    # The reference layout never reads them.
+    assert np.any(transformer.prefill_logits(spoiled, cfg, one, [1]))
     two = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 2)), jnp.int32)
     np.testing.assert_array_equal(
-        transformer.prefill_logits(spoiled, cfg, two, [2]),
-        transformer.prefill_logits(params, cfg, two, [2]),
+        transformer.prefill_logits(spoiled, cfg, two, [2], layout),
+        transformer.prefill_logits(params, cfg, two, [2], layout),
     )  # fmt: skip
     with pytest.raises(ValueError, match="per-layer params"):
-        transformer.decode_copies(init_params(cfg, jax.random.key(0)), tied)
+        xla_layout.one_row_copies(init_params(cfg, jax.random.key(0)), tied)
 
 
-def test_runner_makes_decode_copies_for_one_float32_slot_only():
+def test_runner_makes_one_row_copies_for_one_float32_slot_only():
     cfg = tiny_config()
     params = init_params(cfg, jax.random.key(0))
 
     def copied(**kw):
         runner = ModelRunner(cfg, params if kw.get("stacked") else {**params}, max_len=32, **kw)
-        return "lm_head_t" in runner.params
+        return "one_row" in runner.params
 
-    assert copied(num_slots=1, decode_copies=True)
-    params_t = ModelRunner(cfg, {**params}, num_slots=1, max_len=32, decode_copies=True).params
-    made = sum(w.nbytes for lp in params_t["layers"] for k, w in lp.items() if k.endswith("_t"))
-    assert made + params_t["lm_head_t"].nbytes == transformer.decode_copy_bytes(cfg, jnp.float32)
+    assert copied(num_slots=1, one_row=True)
+    params_t = ModelRunner(cfg, {**params}, num_slots=1, max_len=32, one_row=True).params
+    made = sum(w.nbytes for lp in params_t["layers"] for w in lp["one_row"].values())
+    made += params_t["one_row"]["lm_head"].nbytes
+    assert made == xla_layout.one_row_copy_bytes(cfg, jnp.float32)
     assert not copied(num_slots=1)  # the drafter's runner
-    assert not copied(num_slots=1, decode_copies=True, stacked=True)  # megakernel layout
+    assert not copied(num_slots=1, one_row=True, stacked=True)  # megakernel layout
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
-    assert "lm_head_t" not in ModelRunner(cfg, bf16, num_slots=1, max_len=32,
-                                          decode_copies=True).params  # fmt: skip
-    assert "lm_head_t" in workers.TargetWorker(cfg, params, num_slots=1,
-                                               max_model_len=32).runner.params  # fmt: skip
-    assert "lm_head_t" not in workers.TargetWorker(cfg, params, num_slots=2,
-                                                   max_model_len=32).runner.params  # fmt: skip
+    assert "one_row" not in ModelRunner(cfg, bf16, num_slots=1, max_len=32,
+                                        one_row=True).params  # fmt: skip
+    assert "one_row" in workers.TargetWorker(cfg, params, num_slots=1,
+                                             max_model_len=32).runner.params  # fmt: skip
+    assert "one_row" not in workers.TargetWorker(cfg, params, num_slots=2,
+                                                 max_model_len=32).runner.params  # fmt: skip
 
 
 def test_product_costs_time_one_row_in_the_layout_the_runner_reads(monkeypatch):
     seen = []
-    linear = transformer.linear
+    linear = xla_layout.XlaLayout.linear
 
-    def spy(p, name, x):
-        seen.append((x.shape[0], name + "_t" in p))
-        return linear(p, name, x)
+    def spy(self, p, name, x):
+        seen.append((x.shape[0], name in p.get("one_row", {})))
+        return linear(self, p, name, x)
 
-    monkeypatch.setattr(transformer, "linear", spy)
+    monkeypatch.setattr(xla_layout.XlaLayout, "linear", spy)
     sizing.product_costs(tiny_config(), jnp.float32, [1, 3])
     assert seen and all(has_t for _, has_t in seen)  # float32: copies, read at one row
     seen.clear()
@@ -142,8 +147,8 @@ def test_verify_step_same_verdict_under_both_libraries(tmp_path):
             jnp.asarray([0, 1], jnp.int32), jnp.asarray(r.cache_lens),
             llm.engine._sampling(llm.engine.slots))  # fmt: skip
     kw = dict(cfg=tw.cfg, child_sampling=workers.ChildSampling.DETERMINISTIC_TOPK, kv_len=128)
-    want = workers.VERIFY_STEPS["default"](*args, **kw)
-    got = workers.VERIFY_STEPS["eigen"](*args, **kw)
+    want = workers.VERIFY_STEPS["default"](*args, **kw, layout=r.layout.for_library("default"))
+    got = workers.VERIFY_STEPS["eigen"](*args, **kw, layout=r.layout.for_library("eigen"))
     for a, b in zip(want[:3], got[:3], strict=True):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(want[3:], got[3:], strict=True):
@@ -211,7 +216,7 @@ def test_engine_verifies_with_the_chosen_library(monkeypatch, tmp_path):
     tree = LLM(target, dtype="float32", max_num_seqs=2, speculative_config=spec)
     got = [o.outputs[0].token_ids for o in tree.generate(prompts, params, use_tqdm=False)]
     assert used and set(used) == {"eigen"}  # 2 slots x 5 block rows = 10 rows
-    assert tree.engine.target.dot_library(10) == "eigen"
+    assert tree.plan.library(10) == "eigen"
     used.clear()
     ar = LLM(target, dtype="float32", max_num_seqs=1)
     want = [o.outputs[0].token_ids for o in ar.generate(prompts, params, use_tqdm=False)]
@@ -250,8 +255,11 @@ def _bf16_config(folder, **sizes):
 @pytest.mark.parametrize("bf16_cost, expected", [(2.0, "float32"), (0.5, "bfloat16")])
 def test_auto_dtype_times_a_bfloat16_checkpoint_on_cpu(monkeypatch, tmp_path, bf16_cost, expected):
     """dtype="auto" with the rows of a step: the dtype whose products time faster."""
-    from specdec.api import default_dtype, verify_rows
     from specdec.params import SpeculativeConfig
+    from specdec.plan import resolve_dtype, verify_rows
+
+    def default_dtype(folder, rows=None):
+        return resolve_dtype(folder, "auto", rows=rows)
 
     asked = []
 
@@ -284,20 +292,19 @@ def test_speculative_config_of_the_wrong_type_is_refused(tmp_path):
         LLM(target, speculative_config="draft_model")
 
 
-def test_each_copy_is_traced_knowing_its_library():
-    """`tracing_for` names the library a `jit_each` copy is traced for (the verify lays
-    out cached keys by it), and "default" outside any copy."""
-    seen = []
-
-    def fun(x):
-        seen.append(dot_library.tracing_for())
-        return x + 1
-
-    copies = dot_library.jit_each(fun)
-    for name, f in copies.items():
-        assert int(f(jnp.int32(1))) == 2
-        assert seen[-1] == name
-    assert dot_library.tracing_for() == "default" and set(seen) == set(dot_library.LIBRARIES)
+def test_each_library_gets_its_layout_explicitly():
+    """A program compiled for Eigen copies cached keys out transposed: the layout says
+    so as a static argument (nothing is read from ambient state while tracing)."""
+    cfg = tiny_config()
+    base = xla_layout.for_backend(cfg, "cpu")
+    assert base.per_kv_head and base.two_row_bf16 and not base.keys_transposed
+    assert base.for_library("eigen").keys_transposed
+    assert not base.for_library("default").keys_transposed
+    assert not xla_layout.for_backend(cfg, "tpu").for_library("eigen").keys_transposed
+    assert base.for_library("eigen") != base  # two compiled copies
+    copies = dot_library.jit_each(lambda x: x + 1)
+    assert set(copies) == set(dot_library.LIBRARIES)
+    assert all(int(f(jnp.int32(1))) == 2 for f in copies.values())
 
 
 def test_auto_plan_is_sized_for_the_batch(monkeypatch, tmp_path):

@@ -121,22 +121,33 @@ def test_width_chooser_learns_the_acceptance_rate():
 
 def test_width_cost_is_the_faster_librarys_product_ratio(pair, monkeypatch):
     """A model big enough for its products to matter: cost(width) = the faster library's
-    seconds at S * (width + 1) rows over its seconds at S rows (one decode step)."""
-    from specdec import workers
+    seconds at S * (width + 1) rows over its seconds at S rows (one decode step), and
+    each row count's library is the faster one there; all decided once, in the plan."""
+    from specdec import plan as plan_mod
+    from specdec.kernels.config import ModelConfig
 
-    target = LLM(pair, max_model_len=64, max_num_seqs=2).engine.target
     asked = []
 
     def fake_costs(cfg, dtype, rows):
         asked.append(list(rows))
-        return {"default": {2: 1.0, 10: 3.0}, "eigen": {2: 0.5, 10: 4.0}}
+        return {"default": {2: 1.0, 10: 3.0, 18: 5.0}, "eigen": {2: 0.5, 10: 4.0, 18: 4.5}}
 
-    monkeypatch.setattr(workers, "weight_bytes", lambda cfg, dtype: 1 << 30)
-    monkeypatch.setattr(workers, "cached_costs", fake_costs)
-    assert target.width_cost(4) == pytest.approx(3.0 / 0.5)
-    assert target.width_cost(4) == pytest.approx(6.0) and asked == [[2, 10]]  # remembered
-    monkeypatch.setattr(workers, "weight_bytes", lambda cfg, dtype: 1 << 10)
-    assert target.width_cost(8) == 1.0  # products too small to matter: every width alike
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8)  # fmt: skip
+    monkeypatch.setattr(plan_mod.sizing, "weight_bytes", lambda cfg, dtype: 1 << 30)
+    monkeypatch.setattr(plan_mod.sizing, "cached_costs", fake_costs)
+    plan = plan_mod.make_plan(cfg, dtype="float32", spec=None, num_slots=2, max_tree_nodes=8)
+    assert asked == [[2, 10, 18]]  # widths 0, 4 and 8, timed once
+    assert plan.width_cost(4) == pytest.approx(3.0 / 0.5)
+    assert plan.width_cost(8) == pytest.approx(4.5 / 0.5)
+    assert (plan.library(2), plan.library(10), plan.library(18)) == ("eigen", "default", "eigen")
+    monkeypatch.setattr(plan_mod.sizing, "weight_bytes", lambda cfg, dtype: 1 << 10)
+    small = plan_mod.make_plan(cfg, dtype="float32", spec=None, num_slots=2, max_tree_nodes=8)
+    assert small.width_cost(8) == 1.0 and small.library(18) == "default"  # nothing timed
+    assert len(asked) == 1
+    # The engine reads the plan; it never times anything while serving.
+    target = LLM(pair, max_model_len=64, max_num_seqs=2).engine.target
+    assert target.widths.cost == target.plan.width_cost
 
 
 def test_uniforms_are_prefix_stable():
@@ -239,7 +250,7 @@ def test_draft_cache_after_steps_equals_a_fresh_prefill(tmp_path):
     writes back what the verdict keeps. After steps with partial acceptance, its
     committed cache must equal a prefill of the same tokens."""
     from specdec.checkpoint import load_model
-    from specdec.kernels.kv_cache import ModelRunner
+    from specdec.kernels.runner import ModelRunner
 
     target = tiny_pair(tmp_path / "t")
     # A draft that agrees with the target often, not always.

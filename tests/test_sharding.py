@@ -47,18 +47,18 @@ def test_specs_fit_unstacked_layers_and_one_device():
     assert sharding.describe(cfg, 4)["embed"] == "replicated"
 
 
-def test_decode_copies_are_cut_like_their_originals_transposed():
-    from specdec.kernels.transformer import decode_copies, untie_head
+def test_one_row_copies_are_cut_like_their_originals_transposed():
+    from specdec.kernels.xla_layout import one_row_copies, untie_head
 
     cfg = tiny_config()  # H=4, F=64, V=320 divide by 4; K=2 does not
-    params = decode_copies(untie_head(unstack_layers(init_params(cfg, jax.random.key(0)))),
-                           tied=False)  # fmt: skip
+    params = one_row_copies(untie_head(unstack_layers(init_params(cfg, jax.random.key(0)))),
+                            tied=False)  # fmt: skip
     specs = sharding.param_specs(cfg, params, 4)
-    lay = specs["layers"][0]
-    assert lay["wq"] == P(None, "tp") and lay["wq_t"] == P("tp", None)
-    assert lay["wo"] == P("tp", None) and lay["wo_t"] == P(None, "tp")
-    assert lay["w_down_t"] == P(None, "tp") and lay["wk_t"] == P()  # K=2 stays whole
-    assert specs["lm_head"] == P(None, "tp") and specs["lm_head_t"] == P("tp", None)
+    lay, t = specs["layers"][0], specs["layers"][0]["one_row"]
+    assert lay["wq"] == P(None, "tp") and t["wq"] == P("tp", None)
+    assert lay["wo"] == P("tp", None) and t["wo"] == P(None, "tp")
+    assert t["w_down"] == P(None, "tp") and t["wk"] == P()  # K=2 stays whole
+    assert specs["lm_head"] == P(None, "tp") and specs["one_row"]["lm_head"] == P("tp", None)
 
 
 CHILD = textwrap.dedent(
@@ -85,7 +85,7 @@ CHILD = textwrap.dedent(
         some = prompts[: 4 * seqs]  # one slot runs them one by one: fewer
         ref = [o.outputs[0].token_ids for o in llm.generate(some, greedy, use_tqdm=False)]
         runner = llm.engine.target.runner
-        assert ("lm_head_t" in runner.params) == (seqs == 1)
+        assert ("one_row" in runner.params) == (seqs == 1)
         sharding.shard_runner(runner, sharding.make_mesh())
         out = [o.outputs[0].token_ids for o in llm.generate(some, greedy, use_tqdm=False)]
         assert out == ref, (kv, seqs)

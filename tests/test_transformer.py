@@ -179,57 +179,80 @@ def test_forward_train_matches_prefill():
 
 
 @pytest.mark.parametrize("heads,kv_heads,n,b", [(4, 2, 3, 2), (4, 1, 1, 1), (6, 3, 5, 3)])
-def test_per_kv_head_attention_matches_the_batched_form(monkeypatch, heads, kv_heads, n, b):
-    """The CPU form (one product per KV head) computes what the batched einsums do."""
+def test_per_kv_head_attention_matches_the_batched_form(heads, kv_heads, n, b):
+    """The XLA CPU form (one product per KV head, keys optionally copied out
+    transposed) computes what the reference's batched einsums do."""
+    from specdec.kernels.xla_layout import XlaLayout
+
     cfg = ModelConfig(vocab_size=11, hidden_size=16, intermediate_size=8, num_layers=1,
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=8)  # fmt: skip
     rng = np.random.default_rng(heads + n)
     t, hd = 13, 8
-    q = jnp.asarray(rng.normal(size=(b, n, heads, hd)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(b, n, kv_heads, heads // kv_heads, hd)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(b, n, kv_heads, hd)), jnp.float32) for _ in "kv")
     kc, vc = (jnp.asarray(rng.normal(size=(b, kv_heads, t, hd)), jnp.float32) for _ in "kv")
     cache_mask = jnp.asarray(rng.random((b, n, t)) < 0.6)
     cache_mask = cache_mask.at[0, 0].set(False)  # a query that sees no cached key
     block_mask = jnp.asarray(rng.random((b, n, n)) < 0.5) | jnp.eye(n, dtype=bool)[None]
     args = (cfg, q, k, v, kc, vc, cache_mask, block_mask)
-    assert jax.default_backend() == "cpu" and kv_heads <= T._PER_HEAD_MAX
-    per_head = T._attention(*args)
-    # Keys handed over as [B, K, hd, T] (how a program traced for Eigen copies them).
-    keys_t = T._attention(cfg, q, k, v, jnp.swapaxes(kc, -1, -2), vc, cache_mask, block_mask,
-                          keys_t=True)  # fmt: skip
+    per_head = XlaLayout(per_kv_head=True).attention(*args)
+    keys_t = XlaLayout(per_kv_head=True, keys_transposed=True).attention(*args)
     np.testing.assert_allclose(np.asarray(keys_t), np.asarray(per_head), atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(T, "_PER_HEAD_MAX", 0)  # the batched form
-    batched = T._attention(*args)
+    batched = T.REFERENCE.attention(*args)
     assert per_head.shape == batched.shape == (b, n, heads * hd)
     np.testing.assert_allclose(np.asarray(per_head), np.asarray(batched), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("lead", [(1,), (1, 1), (3,), (2, 4)])
 def test_one_row_bfloat16_product_matches_plain_matmul(lead):
-    """The one-row bfloat16 detour in `matmul` (two rows, first kept) changes no number."""
+    """The one-row bfloat16 detour (two rows, first kept) changes no number."""
+    from specdec.kernels.xla_layout import XlaLayout
+
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.normal(size=(40, 24)), jnp.bfloat16)
     x = jnp.asarray(rng.normal(size=(*lead, 40)), jnp.float32)
-    got = jax.jit(T.matmul)(x, w)
+    got = jax.jit(XlaLayout(two_row_bf16=True).matmul)(x, w)
     want = jnp.matmul(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
     assert got.shape == (*lead, 24) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3_kv1"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_runner_layout_forward_matches_the_reference(name, rows):
+    """Everything `xla_layout.arrange` does at once (per-layer, untied head, fused
+    projections, one-row copies, per-head attention, two-row bf16): the reference's
+    logits, for one-row and many-row blocks."""
+    from specdec.kernels import xla_layout
+
+    cfg = CONFIGS[name]
+    params = T.init_params(cfg, jax.random.key(4))
+    arranged, layout = xla_layout.arrange(cfg, params, fuse=True, one_row=True, backend="cpu")
+    assert "one_row" in arranged and layout.per_kv_head and layout.two_row_bf16
+    tokens = jnp.asarray(np.random.default_rng(rows).integers(0, cfg.vocab_size, (2, rows)))
+    lengths = jnp.asarray([rows, max(1, rows - 2)], jnp.int32)
+    want = T.prefill_logits(params, cfg, tokens, lengths)
+    for lay in (layout, layout.for_library("eigen")):
+        got = T.prefill_logits(arranged, cfg, tokens, lengths, lay)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
 def test_kv_cache_is_float32_on_cpu_for_bfloat16_weights():
     """XLA CPU cannot write a bfloat16 buffer in place, so CPU caches are float32."""
-    from specdec.kernels.kv_cache import ModelRunner
+    from specdec.kernels.runner import ModelRunner
 
     cfg = CONFIGS["llama_gqa"]
     params = T.init_params(cfg, jax.random.key(0), jnp.bfloat16)
     runner = ModelRunner(cfg, params, num_slots=1, max_len=MAX_LEN)
     assert jax.default_backend() == "cpu"
-    assert runner.cache.k.dtype == jnp.float32 == T.cache_dtype(jnp.bfloat16)
+    from specdec.kernels.xla_layout import cache_dtype
+
+    assert runner.cache.k.dtype == jnp.float32 == cache_dtype(jnp.bfloat16)
     assert runner.params["embed"].dtype == jnp.bfloat16
 
 
 def test_prefill_chunk_lengths():
-    from specdec.kernels.kv_cache import chunk_len
+    from specdec.kernels.runner import chunk_len
 
     assert [chunk_len(n, 512) for n in (1, 3, 5, 100, 128)] == [1, 4, 8, 128, 128]
     assert [chunk_len(n, 512) for n in (129, 144, 145, 256, 257, 300, 449, 481, 512)] == [
@@ -245,7 +268,7 @@ def test_prefill_with_a_non_power_of_two_chunk_matches_the_plain_forward():
     """Prompts of 300 and 130 tokens prefill as one 320-token chunk (`chunk_len`)."""
     import dataclasses
 
-    from specdec.kernels.kv_cache import ModelRunner
+    from specdec.kernels.runner import ModelRunner
 
     cfg = dataclasses.replace(CONFIGS["qwen3_kv1"], max_position_embeddings=1024)
     params = T.init_params(cfg, jax.random.key(0))
@@ -265,7 +288,7 @@ def test_multi_chunk_prefill_reads_only_earlier_chunks_and_matches_the_plain_for
     K/V a later decode step attends to equal the one-pass forward."""
     import dataclasses
 
-    from specdec.kernels.kv_cache import ModelRunner
+    from specdec.kernels.runner import ModelRunner
 
     cfg = dataclasses.replace(CONFIGS[name], max_position_embeddings=256)
     params = T.init_params(cfg, jax.random.key(1))
@@ -300,8 +323,10 @@ def test_multi_chunk_prefill_reads_only_earlier_chunks_and_matches_the_plain_for
     ids=["qwen3_kv1", "qwen2_bias", "qwen3_moe"],
 )  # fmt: skip
 def test_fused_projections_give_the_same_logits(cfg):
+    from specdec.kernels.xla_layout import XlaLayout, fuse_projections
+
     params = T.unstack_layers(T.init_params(cfg, jax.random.key(3)))
-    fused = T.fuse_projections(params)
+    fused = fuse_projections(params)
     lp = fused["layers"][0]
     assert "wqkv" in lp and not {"wq", "wk", "wv"} & set(lp)
     assert ("w_gate_up" in lp) == (not cfg.is_moe) and "w_gate" not in lp
@@ -309,8 +334,8 @@ def test_fused_projections_give_the_same_logits(cfg):
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
     lengths = jnp.asarray([9, 6], jnp.int32)
     np.testing.assert_allclose(
-        T.prefill_logits(fused, cfg, tokens, lengths),
+        T.prefill_logits(fused, cfg, tokens, lengths, XlaLayout()),
         T.prefill_logits(params, cfg, tokens, lengths), rtol=1e-5, atol=1e-5,
     )  # fmt: skip
     with pytest.raises(ValueError, match="per-layer params"):
-        T.fuse_projections(T.init_params(cfg, jax.random.key(3)))
+        fuse_projections(T.init_params(cfg, jax.random.key(3)))

@@ -1,6 +1,6 @@
 """Acceptance rules: which tree nodes the target keeps, and its bonus token.
 
-Vocabulary (DESIGN.md): the **root** is the last committed token; **tree nodes** are the
+Vocabulary (docs/design.md): the **root** is the last committed token; **tree nodes** are the
 draft tokens, ``parents[i] = -1`` for a child of the root; the **accepted tokens** are
 the nodes on the path the target agrees with; the **bonus token** is the one token the
 target samples itself after that path. Row 0 of per-node tables (``target_argmax``,
@@ -280,7 +280,7 @@ ACCEPTANCE_RULES: Mapping[ChildSampling, AcceptanceRule] = MappingProxyType(
         ChildSampling.DETERMINISTIC_TOPK: _draw_and_match_accept,
     }
 )
-"""The stochastic rule for each way of drawing children (never mix them: DESIGN.md).
+"""The stochastic rule for each way of drawing children (never mix them: docs/design.md).
 
 Each rule is ``rule(tokens, parents, target_probs, draft_probs, uniforms) -> Verdict`` for
 one sequence, unjitted and without the shape checks of ``stochastic_accept`` (vmap it

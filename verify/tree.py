@@ -1,6 +1,6 @@
 """``TokenTree``: one sequence's draft tokens as flat arrays, plus its msgpack codec.
 
-Vocabulary (DESIGN.md): the **root** is the last committed token; each **tree node**
+Vocabulary (docs/design.md): the **root** is the last committed token; each **tree node**
 is one proposed token with ``parents[i]`` its parent's node index, ``-1`` for a child
 of the root, and parents come before children (``parents[i] < i``).
 

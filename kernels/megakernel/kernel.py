@@ -48,9 +48,11 @@ hit, and on the accepted path if it and all its ancestors are chosen.
 
 Sampling rows: the top-k / top-p filters need a vocabulary sort, which Mosaic does
 not lower, so the stochastic rule runs in XLA on the logits the kernel emitted
-(`reference.finish_verdict`, same uniforms, skipped entirely when every row is
-greedy). The embedding gather is also XLA's: a bf16 row at an arbitrary row offset is
-not a legal Mosaic DMA, and it is B * Np rows.
+(`reference.decide`, same uniforms, skipped entirely when every row is greedy). A
+row with a repetition penalty gets its verdict there too, from the penalised
+logits (the in-kernel walk knows no penalty). The embedding gather is also XLA's:
+a bf16 row at an arbitrary row offset is not a legal Mosaic DMA, and it is B * Np
+rows.
 
 Not covered: MoE targets (use the XLA path). KV writes need
 `cache_lens[b] + N + 1 <= max_len` for active rows (the target worker sizes its
@@ -72,7 +74,7 @@ from jax.experimental.pallas import tpu as pltpu
 from specdec.kernels import transformer
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.megakernel import tuning
-from specdec.kernels.megakernel.reference import VerifyResult, finish_verdict, tree_block
+from specdec.kernels.megakernel.reference import VerifyResult, decide, tree_block
 from specdec.kernels.megakernel.tuning import BlockSizes
 from specdec.kernels.transformer import KVCache, Params
 from specdec.verify import masks
@@ -122,9 +124,11 @@ def verify(
         params, cache, roots, tokens, parents, slots, cache_lens,
         cfg=cfg, bs=block_sizes, interpret=interpret,
     )  # fmt: skip
-    verdict = finish_verdict(
-        greedy, tokens, parents, logits, draft_probs, sampling, uniforms, child_sampling
-    )
+    block, _, mask = tree_block(roots, tokens, parents, cache_lens)
+    verdict = decide(
+        logits, block, mask, tokens, parents, draft_probs, sampling, uniforms, child_sampling,
+        greedy=greedy,
+    )  # fmt: skip
     return VerifyResult(*verdict, logits, cache)
 
 

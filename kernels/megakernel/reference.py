@@ -1,13 +1,19 @@
 """The verify step in plain jnp: the megakernel's reference, with the same signature.
 
-One verify step of the target over a batch of token trees (vocabulary: DESIGN.md):
+One verify step of the target over a batch of token trees (vocabulary:
+docs/design.md):
 
 1. the verify block `[root, node_0, ..., node_{N-1}]` of each sequence runs through
    every layer against that sequence's committed KV (`transformer.forward_block`),
    which also writes the block's K/V at cache positions `cache_lens[b] + i`;
-2. greedy rows (temperature 0) accept along the target argmax (`greedy_accept`);
-   the others apply the stochastic rule registered for `child_sampling` to the
-   filtered target distribution, with the uniforms passed in.
+2. `decide` turns the block's logits into the verdict: a repetition penalty if a
+   row has one, then greedy rows (temperature 0) accept along the target argmax
+   (`greedy_accept`) and the others apply the stochastic rule registered for
+   `child_sampling` to the filtered target distribution, with the uniforms passed in.
+
+`decide` is the one verdict every backend computes: this reference, the
+megakernel (which passes its in-kernel greedy walk) and the XLA verify step of
+`specdec/workers.py` (which runs the same forward laid out for XLA).
 
 The KV is not committed here: the caller moves the accepted path with
 `transformer.commit_kv` (the megakernel leaves that to the caller too).
@@ -33,7 +39,7 @@ from specdec.verify.batch import SamplingBatch
 from specdec.verify.sampling import sample_from_uniform
 from specdec.verify.tree import ChildSampling
 
-__all__ = ["VerifyResult", "finish_verdict", "tree_block", "verify"]
+__all__ = ["VerifyResult", "decide", "finish_verdict", "greedy_verdict", "tree_block", "verify"]
 
 
 class VerifyResult(NamedTuple):
@@ -105,6 +111,45 @@ def finish_verdict(
     )
 
 
+def greedy_verdict(tokens: jax.Array, parents: jax.Array, logits: jax.Array) -> Verdict:
+    """The greedy walk over a batch of trees: tokens / parents i32[B, N], logits
+    f32[B, N + 1, V]. With no tree (N = 0) the bonus token is the root's argmax."""
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # lowest id on ties
+    if tokens.shape[1] == 0:
+        b = tokens.shape[0]
+        return Verdict(jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32), argmax[:, 0])
+    return jax.vmap(greedy_accept)(tokens, parents, argmax)
+
+
+def decide(
+    logits: jax.Array,  # f32[B, N + 1, V], row 0 at the root
+    block: jax.Array,  # i32[B, N + 1] the verify block's tokens (`tree_block`)
+    mask: jax.Array,  # bool[B, N + 1, N + 1] its ancestor mask
+    tokens: jax.Array,  # i32[B, N]
+    parents: jax.Array,  # i32[B, N]
+    draft_probs: jax.Array | None,  # f32[B, N + 1, V]; None for DETERMINISTIC_TOPK trees
+    sampling: SamplingBatch,
+    uniforms: jax.Array,  # f32[B, N + 1]
+    child_sampling: ChildSampling,
+    greedy: Verdict | None = None,  # the greedy walk if already done (the megakernel's)
+) -> Verdict:
+    """The verdict on one verify block's logits, for every backend.
+
+    A row's repetition penalty applies first (to each node over its own path,
+    `SamplingBatch.penalize`), before greedy and sampled choices alike; a greedy
+    walk done on unpenalised logits is then redone. Greedy rows keep the greedy
+    verdict and the others get the stochastic rule's (`finish_verdict`).
+    """
+    if sampling.seen is not None:
+        logits = sampling.penalize(logits, block, mask)
+        greedy = None
+    if greedy is None:
+        greedy = greedy_verdict(tokens, parents, logits)
+    return finish_verdict(
+        greedy, tokens, parents, logits, draft_probs, sampling, uniforms, child_sampling
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "child_sampling"), donate_argnames=("cache",))
 def verify(
     params: Params,
@@ -126,13 +171,7 @@ def verify(
     logits, cache = transformer.forward_block(
         params, cache, block, positions, mask, slots, cache_lens, cfg=cfg
     )
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # lowest id on ties
-    if tokens.shape[1] == 0:
-        b = tokens.shape[0]
-        greedy = Verdict(jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32), argmax[:, 0])
-    else:
-        greedy = jax.vmap(greedy_accept)(tokens, parents, argmax)
-    verdict = finish_verdict(
-        greedy, tokens, parents, logits, draft_probs, sampling, uniforms, child_sampling
+    verdict = decide(
+        logits, block, mask, tokens, parents, draft_probs, sampling, uniforms, child_sampling
     )
     return VerifyResult(*verdict, logits, cache)

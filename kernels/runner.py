@@ -1,8 +1,11 @@
-"""Slot-based KV-cache bookkeeping for one model: prefill into slots, track lengths.
+"""One model's runner: its params as laid out for the XLA path, its KV cache over a
+fixed set of sequence slots, and the prefill into them.
 
 `ModelRunner` owns a model's params, its `KVCache` over a fixed number of
 sequence slots, and `cache_lens[s]`: how many committed tokens of slot s have
-K/V in the cache. The target worker and the model drafter each hold one.
+K/V in the cache. The target worker and the model drafter each hold one. It
+also owns the forward's layout (`xla_layout`): every forward it runs, and every
+forward its owner runs on its params, passes `runner.layout` explicitly.
 """
 
 from __future__ import annotations
@@ -14,14 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec.kernels import transformer
+from specdec.kernels import transformer, xla_layout
 from specdec.kernels.config import ModelConfig
-from specdec.kernels.transformer import KVCache, Params, cache_dtype
+from specdec.kernels.transformer import KVCache, Layout, Params
 
 # A row's planned length (prompt + max_tokens + one tree) counts toward the cache
 # positions a call reads, up to this many: a request then runs one compiled
-# variant instead of one per bucket it grows through (a cold XLA CPU compile of
-# the verify step takes seconds), reading at most 4x the 128-position floor early.
+# variant instead of one per bucket it grows through (a cold compile of the
+# verify step costs far more than a step), reading at most 4x the 128-position
+# floor early.
 KV_RESERVE_CAP = 512
 
 
@@ -38,25 +42,22 @@ class ModelRunner:
         prefill_chunk: int = 512,
         stacked: bool = False,  # keep [L, ...] layer weights (what the megakernel streams)
         fuse: bool = False,  # one product for q|k|v and one for gate|up (`fuse_projections`)
-        decode_copies: bool = False,  # [out, in] copies for one-row steps, where they pay
+        one_row: bool = False,  # [out, in] copies for one-row steps, where they pay
     ):
         self.cfg = cfg
-        # Per-layer arrays: XLA on CPU streams them 3.4x faster than scanned slices.
-        self.params = params if stacked else transformer.unstack_layers(params)
-        if not stacked and jax.default_backend() == "cpu":
-            self.params = transformer.untie_head(self.params)
-        if fuse and not stacked:
-            self.params = transformer.fuse_projections(self.params)
-        copies = decode_copies and transformer.wants_decode_copies(cfg, params["embed"].dtype)
-        if copies and not stacked:
-            self.params = transformer.decode_copies(self.params, cfg.tie_word_embeddings)
+        self.layout: Layout = xla_layout.for_backend(cfg)
+        if stacked:
+            self.params = params
+        else:
+            self.params, self.layout = xla_layout.arrange(cfg, params, fuse=fuse, one_row=one_row)
         self.num_slots = num_slots
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
         # One spare chunk: a padded prefill chunk always fits, so writes are never clamped;
         # rounded up to the 16-row tile so a kernel may DMA any aligned window of it.
         alloc = -(-(max_len + prefill_chunk) // 16) * 16
-        self.cache = KVCache.create(cfg, num_slots, alloc, dtype=cache_dtype(params["embed"].dtype))
+        cache_dtype = xla_layout.cache_dtype(params["embed"].dtype)
+        self.cache = KVCache.create(cfg, num_slots, alloc, dtype=cache_dtype)
         self.cache_lens = np.zeros(num_slots, np.int32)
         self.reserved = np.zeros(num_slots, np.int32)  # planned lengths (`reserve`)
 
@@ -96,8 +97,7 @@ class ModelRunner:
             row_slots = np.where(n_in > 0, slot_arr, -1)
             logit_index = np.clip(lens - 1 - start, 0, chunk - 1).astype(np.int32)
             # Attention reads the cache only below `start` (the chunk's own K/V are in
-            # the block): the first chunk reads none of it. Reading [0, start + chunk)
-            # instead cost a 300-token prompt of the demo target 147 ms, not 105.
+            # the block): the first chunk reads none of it.
             kv_len = kv_bucket(start, self.max_len) if start else 0
             starts = np.full(bb, start, np.int32)
             logits, ks, vs = _prefill_chunk(
@@ -110,6 +110,7 @@ class ModelRunner:
                 logit_index,
                 cfg=self.cfg,
                 kv_len=kv_len,
+                layout=self.layout,
             )
             self.cache = transformer.write_kv(self.cache, ks, vs, row_slots, starts)
             ends_here = (lens - 1 >= start) & (lens - 1 < start + chunk)
@@ -119,8 +120,9 @@ class ModelRunner:
         return last[:b]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kv_len"))
-def _prefill_chunk(params, cache, tokens, starts, n_in, slots, logit_index, *, cfg, kv_len):
+@functools.partial(jax.jit, static_argnames=("cfg", "kv_len", "layout"))
+def _prefill_chunk(params, cache, tokens, starts, n_in, slots, logit_index, *, cfg, kv_len,
+                   layout):  # fmt: skip
     """One causal chunk per row at cache offset `starts` (cache read only; not at all
     when `kv_len` is 0, the first chunk: nothing precedes it).
 
@@ -131,7 +133,7 @@ def _prefill_chunk(params, cache, tokens, starts, n_in, slots, logit_index, *, c
     mask = transformer.causal_block_mask(n_in, c)
     logits, ks, vs = transformer.block_logits_kv(
         params, cache if kv_len else None, tokens, positions, mask, slots, starts, logit_index,
-        cfg=cfg, kv_len=kv_len or None,
+        cfg=cfg, kv_len=kv_len or None, layout=layout,
     )  # fmt: skip
     return logits[:, 0], ks, vs
 
@@ -149,10 +151,9 @@ def chunk_len(n: int, cap: int, floor: int = 128) -> int:
     up to an eighth of its octave (steps of 16 up to 256, 32 up to 512, ...), at most
     `cap`. Example: 5 -> 8, 300 -> 320, 449 -> 480, 900 -> 512 (two chunks).
 
-    Padding is wasted prefill work (about 0.45 ms a row for the demo target on 2 CPU
-    cores): rounding to multiples of 128 padded the held-out prompts by 21% on average
-    (258 -> 384 tokens: 175 ms instead of about 130); eighths pad by at most 12.5%,
-    for eight compiled chunk lengths per octave.
+    Padding is wasted prefill work: rounding to multiples of 128 pads a 258-token
+    prompt to 384; eighths pad by at most 12.5%, for eight compiled chunk lengths
+    per octave.
     """
     if n <= floor:
         return min(bucket(n, cap), cap)
@@ -166,9 +167,8 @@ def kv_bucket(needed: int, max_len: int, floor: int = 128) -> int:
     of its octave, at most max_len. Example: 300 -> 384, 530 -> 640, 1500 -> 1536.
 
     Four variants per doubling keep compiles few while a call reads at most 25% (or
-    the floor) past what it needs. Powers of two read 1024 positions for a 530-token
-    context; on an AMD EPYC (Zen 2) 1024 instead of 512 positions cost the demo
-    target's 7-row verify 1.7 ms of its 17 (bfloat16) and a decode step 1.8 of 11.9.
+    the floor) past what it needs; powers of two would read 1024 positions for a
+    530-token context.
     """
     n = int(max(needed, floor))  # a numpy integer has no bit_length
     step = max(floor, (1 << (n.bit_length() - 1)) // 4)  # a quarter of the octave below n

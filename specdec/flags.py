@@ -1,0 +1,165 @@
+"""Command-line flags shared by `specdec generate`, `specdec batch` and the Ray job
+(cluster/job.py): the model and sampling argument groups and what they build.
+
+Without `--draft`, the bundled demo target drafts with the bundled draft and any
+other `--model` drafts by n-gram prompt lookup (no draft model needed), saying so
+in one line on stderr; `--method none` is plain decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+DEMO_DIR = Path(__file__).parent / "assets" / "demo"
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    # None = the model's generation_config.json value, else the built-in default.
+    g.add_argument(
+        "--temperature", type=float, default=None,
+        help="0 = greedy (default, unless the model's generation_config.json sets one)",
+    )  # fmt: skip
+    g.add_argument("--top-p", type=float, default=None, help="default 1 (off)")
+    g.add_argument("--top-k", type=int, default=None, help="default 0 (off)")
+    g.add_argument("--min-p", type=float, default=None, help="default 0 (off)")
+    g.add_argument(
+        "--repetition-penalty", type=float, default=None,
+        help="> 1 discourages tokens already in the text (default 1 = off)",
+    )  # fmt: skip
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def add_model_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 8) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=str(DEMO_DIR / "target"), help="target model folder")
+    g.add_argument("--draft", default=None, help="draft model folder (default: bundled draft)")
+    g.add_argument(
+        "--method", choices=("draft_model", "ngram", "none"), default=None,
+        help="drafter; none = plain autoregressive decoding (default: draft_model with "
+             "--draft or the bundled pair, else ngram)",
+    )  # fmt: skip
+    g.add_argument(
+        "--num-speculative-tokens", default="auto",
+        help="tree nodes per step, or 'auto' (default)",
+    )  # fmt: skip
+    g.add_argument("--max-depth", type=_positive_int, default=6)
+    g.add_argument("--topk", type=_positive_int, default=4, help="children per expanded node")
+    g.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+        help="weight dtype; auto = bfloat16 off CPU; on CPU float32, or bfloat16 for a "
+             "bfloat16 checkpoint where this CPU runs it faster (timed once)",
+    )  # fmt: skip
+    g.add_argument(
+        "--kernel", choices=("auto", "megakernel", "xla"), default="auto",
+        help="target verify step; auto = Pallas megakernel on TPU, XLA elsewhere",
+    )  # fmt: skip
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument(
+        "--max-num-seqs", type=_positive_int, default=max_num_seqs,
+        help=f"sequences decoded together (default {max_num_seqs})",
+    )  # fmt: skip
+
+
+# The CLI decodes greedily unless told otherwise (SamplingParams' own default is 1).
+CLI_SAMPLING_DEFAULTS = {"temperature": 0.0}
+
+
+def sampling_from_args(args):
+    """Flags given, else the model's generation_config.json, else CLI_SAMPLING_DEFAULTS."""
+    from specdec.params import (
+        GENERATION_CONFIG_ALWAYS,
+        GENERATION_CONFIG_SAMPLING,
+        SamplingParams,
+        generation_defaults,
+    )
+
+    fields = {**CLI_SAMPLING_DEFAULTS, **generation_defaults(args.model)}
+    for name in GENERATION_CONFIG_SAMPLING + GENERATION_CONFIG_ALWAYS:  # each has a flag
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    return SamplingParams(
+        **fields, max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )  # fmt: skip
+
+
+def method_from_args(args) -> str:
+    """The drafter: `--method` if given; else draft_model when there is a draft (given,
+    or the bundled one for the bundled target), else ngram, said on stderr."""
+    if args.method is None:
+        if args.draft is not None or Path(args.model) == DEMO_DIR / "target":
+            args.method = "draft_model"
+        else:
+            print("specdec: no --draft given: drafting with n-gram prompt lookup "
+                  "(--method ngram); --method none decodes without speculation",
+                  file=sys.stderr)  # fmt: skip
+            args.method = "ngram"
+    return args.method
+
+
+def speculative_from_args(args) -> dict | None:
+    method = method_from_args(args)
+    if args.draft is not None and method != "draft_model":
+        raise ValueError(
+            f"--draft is a draft model for --method draft_model; --method {method} "
+            "takes none (leave --draft out, or pick --method draft_model)."
+        )
+    if method == "none":
+        return None
+    n = args.num_speculative_tokens
+    n = n if n == "auto" else int(n)
+    spec = {"method": method, "num_speculative_tokens": n, "max_depth": args.max_depth,
+            "topk": args.topk}  # fmt: skip
+    if method == "draft_model":
+        default_draft = DEMO_DIR / "draft" if Path(args.model) == DEMO_DIR / "target" else None
+        draft = args.draft or default_draft
+        if draft is None:
+            raise ValueError("--method draft_model with a custom --model needs --draft PATH.")
+        spec["model"] = str(draft)
+    return spec
+
+
+def build_llm(args):
+    from specdec.api import LLM
+
+    if not Path(args.model).exists():
+        raise ValueError(
+            f"Model folder {args.model!r} does not exist"
+            + (" (the bundled demo pair is missing from this install)." if DEMO_DIR.name in
+               args.model else ".")
+        )  # fmt: skip
+    return LLM(
+        args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, speculative_config=speculative_from_args(args),
+        kernel=args.kernel,
+    )  # fmt: skip
+
+
+def enable_compilation_cache() -> None:
+    """Reuse XLA compilations across runs (first run compiles, later ones start fast)."""
+    import jax
+
+    cache = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")) / "xla"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(cache))
+        # Every program, however quick to compile: the quick ones add up (a warm
+        # `specdec generate` reached its first token after 3.8 s, 5.5 s caching only
+        # programs that took 0.5 s or more).
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    except OSError:
+        pass  # read-only home: just compile every time
