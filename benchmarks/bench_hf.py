@@ -83,8 +83,8 @@ def main() -> None:
         llm = LLM(args.target, max_num_seqs=1, max_model_len=1024, speculative_config=spec,
                   dtype=args.dtype)  # fmt: skip
         if spec is not None:  # the tree actually grown ("auto" resolved)
-            d = llm.engine.drafter
-            shapes["tree"] = {"num_nodes": d.max_nodes, "max_depth": d.max_depth, "topk": d.topk}
+            t = llm.tree
+            shapes["tree"] = {"num_nodes": t.num_nodes, "max_depth": t.max_depth, "topk": t.topk}
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens,
                                 repetition_penalty=args.repetition_penalty)  # fmt: skip
 

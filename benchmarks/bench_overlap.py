@@ -85,8 +85,8 @@ def main() -> None:
     import numpy as np
     import ray
 
+    from specdec.api import LLM
     from specdec.cluster.config import ClusterConfig
-    from specdec.cluster.remote import cluster_llm
 
     tmp = None
     if args.tiny:
@@ -116,9 +116,9 @@ def main() -> None:
         "max_depth": args.depth,
         "topk": args.topk,
     }
-    llm = cluster_llm(
+    llm = LLM(
         target,
-        ClusterConfig.local_cpu(target_devices=args.target_devices),
+        cluster=ClusterConfig.local_cpu(target_devices=args.target_devices),
         max_model_len=args.max_model_len,
         max_num_seqs=args.batch,
         speculative_config=spec,
@@ -158,7 +158,7 @@ def main() -> None:
                     best = r
             results[overlap] = best
     finally:
-        llm.engine.target.cluster.shutdown()
+        llm.shutdown()
         ray.shutdown()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

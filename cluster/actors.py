@@ -61,6 +61,7 @@ class _Host:
     """What both actors share: JAX start-up on their devices, incarnation, round checks."""
 
     role = "worker"
+    num_slots: int | None = None  # set by each actor; bounds the slots a message may name
 
     def __init__(self, num_devices: int | None, num_hosts: int, rank: int, coordinator: str | None):
         if num_hosts > 1:  # before any other JAX call (docs/design.md, Distributed)
@@ -86,7 +87,7 @@ class _Host:
         self.last_round = -1
 
     def _open(self, data: bytes, kind: str) -> dict:
-        msg = m.unpack(data, kind)
+        msg = m.unpack(data, kind, num_slots=self.num_slots)  # slots in range for this actor
         named = msg.get("incarnation")
         if isinstance(named, list):  # one per host of the group, by rank
             named = named[self.rank] if self.rank < len(named) else None
@@ -311,7 +312,9 @@ class DraftActor(_Host):
     def commit(self, data: bytes) -> bytes:
         msg = self._open(data, "commit")
         active = m.decode_array(msg["active"], "active")
-        emitted, num, accepted = m.unpack_verdict(msg["verdict"], msg["round"])
+        emitted, num, accepted = m.unpack_verdict(
+            msg["verdict"], msg["round"], num_slots=self.num_slots
+        )
         if self.spec is not None and self.spec_round == msg["round"]:
             self.hit = self.drafter.resolve(self.spec, active, accepted, num, emitted)
             self.hit_round = msg["round"]

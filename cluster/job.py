@@ -96,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
 
         import ray
 
-        from specdec.cluster.remote import cluster_llm
-
         if not ray.is_initialized():
             ray.init()
-        llm = cluster_llm(kwargs.pop("model"), cluster_config(args), **kwargs)
+        from specdec.api import LLM
+
+        llm = LLM(kwargs.pop("model"), cluster=cluster_config(args), **kwargs)
         result = batch.generate_file(
             llm, args.input, args.output / "results.jsonl", defaults, progress=not args.no_progress
         )

@@ -43,7 +43,6 @@ import logging
 import time
 from pathlib import Path
 
-import msgpack
 import numpy as np
 
 from specdec.cluster import messages as m
@@ -416,7 +415,7 @@ class RemoteDrafter:
     def _collect(self) -> None:
         fired, self._fired = self._fired, []
         for call in fired:
-            reply = msgpack.unpackb(self.endpoint.result(call))
+            reply = m.unpack(self.endpoint.result(call), "ack")  # checked like any reply
             if "stats" in reply:  # commit acks carry the running hit / miss counts
                 self._stats = reply["stats"]
 
@@ -591,10 +590,3 @@ def remote_workers(
         drafter.cluster = handle
     logger.info("target placement: %s", target.info.get("placement"))
     return target, drafter
-
-
-def cluster_llm(model, cluster: ClusterConfig | None = None, **llm_kwargs):
-    """`LLM(model, cluster=cluster, distributed_executor_backend="ray", **llm_kwargs)`."""
-    from specdec.api import LLM
-
-    return LLM(model, cluster=cluster, distributed_executor_backend="ray", **llm_kwargs)

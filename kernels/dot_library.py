@@ -32,7 +32,7 @@ def candidates(dtype) -> tuple[str, ...]:
     """The libraries worth timing for products in `dtype` on this backend.
 
     Off CPU there is one. On CPU Eigen is only tried for float32: its
-    bfloat16 products convert element by element (5x slower above).
+    bfloat16 products convert element by element.
     """
     if jax.default_backend() != "cpu" or jnp.dtype(dtype) != jnp.float32:
         return ("default",)

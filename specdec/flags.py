@@ -157,9 +157,7 @@ def enable_compilation_cache() -> None:
     try:
         cache.mkdir(parents=True, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", str(cache))
-        # Every program, however quick to compile: the quick ones add up (a warm
-        # `specdec generate` reached its first token after 3.8 s, 5.5 s caching only
-        # programs that took 0.5 s or more).
+        # Every program, however quick to compile: the quick ones add up.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     except OSError:
         pass  # read-only home: just compile every time

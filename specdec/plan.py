@@ -10,7 +10,7 @@ machine and model shape in $SPECDEC_CACHE), then passed down, immutable. Nothing
 in the request path times anything, so given the plan a seeded run's output is
 fixed.
 
-Example (bundled pair, 8 slots, float32 on a 2-core CPU): dtype float32, tree
+Example (the shape of one; its numbers depend on the machine): dtype float32, tree
 (8 nodes, depth 5, topk 2), libraries {8: "default", 40: "eigen", 72: "eigen"},
 width costs {4: 1.3, 8: 1.7}.
 """

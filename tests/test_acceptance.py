@@ -439,7 +439,10 @@ FILTERS = {"off": (0, 1.0, 0.0), "on": (5, 0.9, 0.05)}
 
 
 @pytest.mark.parametrize("filters", list(FILTERS))
-@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.5])
+@pytest.mark.parametrize(
+    "temperature",
+    [pytest.param(0.7, marks=pytest.mark.slow), 1.0, pytest.param(1.5, marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("sampling", list(ChildSampling))
 def test_output_follows_target_distribution(sampling, temperature, filters):
     result = _run(sampling, sampling, temperature, FILTERS[filters])

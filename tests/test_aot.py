@@ -44,6 +44,7 @@ def test_qwen3_8b_compiles_for_tpu7x(capsys):
     assert "OK in" in out and "per TensorCore" in out and "tokens/s at acceptance length 4" in out
 
 
+@pytest.mark.slow
 def test_qwen3_8b_report_figures():
     rep = aot.compile_verify(
         aot.PRESETS["qwen3-8b"], topology="tpu7x:2x2x1", tree_nodes=64, context=4096
@@ -56,6 +57,7 @@ def test_qwen3_8b_report_figures():
     assert rep.tokens_per_s == pytest.approx(4 * 7.37e12 / rep.read_bytes)
 
 
+@pytest.mark.slow
 def test_oversized_blocks_are_rejected_by_the_compiler(capsys):
     # 8192-column LM-head tiles of a 4096-wide model: 2 x 64 MiB of bf16 in VMEM.
     argv = ["--config", "qwen3-8b", "--topology", "tpu7x:2x2x1", "--vocab-cols", "8192"]

@@ -13,6 +13,7 @@ def pair(tmp_path_factory):
     return tiny_pair(tmp_path_factory.mktemp("cli"))
 
 
+@pytest.mark.slow
 def test_generate_streams_and_summarises(pair, capsys):
     rc = main(["generate", "def fib(n):", "--model", str(pair), "--draft", str(pair),
                "--max-tokens", "12", "--max-model-len", "64", "--ignore-eos"])  # fmt: skip

@@ -19,9 +19,8 @@ from fixtures import noisy_copy, tiny_pair
 
 from specdec import LLM, SamplingParams
 from specdec.cluster.config import ClusterConfig
-from specdec.cluster.remote import cluster_llm
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # a local Ray cluster: CI, not the quick subset
 
 ray = pytest.importorskip("ray")
 
@@ -85,8 +84,8 @@ def config(cache_dir, target_devices=4, **kw) -> ClusterConfig:
 @pytest.fixture(scope="module")
 def sharded(ray_session, models, spec):
     """Target over 4 virtual CPU devices, draft on its own group, overlap on."""
-    llm = cluster_llm(
-        models[0], config(ray_session, 4), max_model_len=MAX_LEN, max_num_seqs=8,
+    llm = LLM(
+        models[0], cluster=config(ray_session, 4), max_model_len=MAX_LEN, max_num_seqs=8,
         speculative_config=spec,
     )  # fmt: skip
     yield llm
@@ -175,8 +174,8 @@ def test_target_killed_mid_generation(sharded, prompts, reference):
 
 
 def test_restarts_exhausted(ray_session, models, spec, prompts, reference):
-    llm = cluster_llm(
-        models[0], config(ray_session, 1, max_restarts=0), max_model_len=MAX_LEN,
+    llm = LLM(
+        models[0], cluster=config(ray_session, 1, max_restarts=0), max_model_len=MAX_LEN,
         max_num_seqs=8, speculative_config=spec,
     )  # fmt: skip
     try:
@@ -210,8 +209,8 @@ def test_actor_that_cannot_start_names_the_cause(ray_session, models, tmp_path):
     with pytest.raises(
         RuntimeError, match=r"specdec-draft actor did not start: .*Draft model path"
     ):
-        cluster_llm(models[0], config(ray_session, 1), max_model_len=MAX_LEN, max_num_seqs=8,
-                    speculative_config=bad)  # fmt: skip
+        LLM(models[0], cluster=config(ray_session, 1), max_model_len=MAX_LEN, max_num_seqs=8,
+            speculative_config=bad)  # fmt: skip
     time.sleep(1)  # resource accounting catches up
     after = ray.available_resources()
     for group in ("draft_group", "target_group"):  # placement groups released

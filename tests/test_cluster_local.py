@@ -141,6 +141,7 @@ SEEDED = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=5, ignore
 PENALIZED = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "params", [GREEDY, SEEDED, PENALIZED], ids=["greedy", "seeded", "penalized"]
 )
@@ -178,6 +179,7 @@ def test_stale_incarnation_and_old_rounds_are_refused(models, spec):
         actor.release(m.pack("release", 4, incarnation=target.incarnation, slot=0))
 
 
+@pytest.mark.slow
 def test_remote_workers_hold_the_engines_reservations(models, spec, prompts):
     """Planned lengths reach both actors with the prefill / start (and a restore), so a
     remote request reads one compiled K/V length from start to end, as in-process."""

@@ -8,6 +8,7 @@ import collections
 import functools
 
 import numpy as np
+import pytest
 from fixtures import tiny_pair
 
 from specdec import LLM, SamplingParams, workers
@@ -15,6 +16,7 @@ from specdec.draft import model as draft_model
 from specdec.kernels import transformer
 
 
+@pytest.mark.slow
 def test_three_dispatches_per_step(tmp_path, monkeypatch):
     target = tiny_pair(tmp_path / "t")
     spec = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 8,

@@ -132,6 +132,7 @@ def test_product_costs_time_one_row_in_the_layout_the_runner_reads(monkeypatch):
     assert seen and not any(has_t for _, has_t in seen)
 
 
+@pytest.mark.slow
 def test_verify_step_same_verdict_under_both_libraries(tmp_path):
     """Greedy verdicts and K/V of one tree verify match between the compiled copies."""
     target = tiny_pair(tmp_path / "t")
@@ -193,6 +194,7 @@ def test_plan_and_best_library_use_the_faster_library(monkeypatch, tmp_path):
     assert len(calls) == 4
 
 
+@pytest.mark.slow
 def test_engine_verifies_with_the_chosen_library(monkeypatch, tmp_path):
     """A tree engine whose verify rows favour Eigen runs the Eigen copy, and greedy
     output still equals plain decoding."""

@@ -166,7 +166,13 @@ def pair(tmp_path_factory):
     return tiny_pair(tmp_path_factory.mktemp("pair"))
 
 
-@pytest.mark.parametrize(("nodes", "depth", "topk"), [(1, 1, 1), (6, 6, 1), (10, 3, 3), (7, 4, 2)])
+@pytest.mark.parametrize(
+    ("nodes", "depth", "topk"),
+    [
+        (10, 3, 3),
+        *(pytest.param(*s, marks=pytest.mark.slow) for s in [(1, 1, 1), (6, 6, 1), (7, 4, 2)]),
+    ],
+)
 def test_model_drafter_trees_are_valid(pair, nodes, depth, topk):
     spec = {"method": "draft_model", "model": str(pair), "num_speculative_tokens": nodes,
             "max_depth": depth, "topk": topk}  # fmt: skip
@@ -225,6 +231,7 @@ def test_plan_tree_picks_a_candidate_with_monotone_costs():
     json.dumps(plan.cost)  # reportable
 
 
+@pytest.mark.slow
 def test_a_tree_no_bigger_than_its_depth_is_grown_as_the_chain(tmp_path):
     """N <= max_depth nodes are the greedy chain's first N whatever topk: the drafter
     grows only that chain, and the steps match a topk=1 chain of depth N."""
@@ -245,6 +252,7 @@ def test_a_tree_no_bigger_than_its_depth_is_grown_as_the_chain(tmp_path):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.slow
 def test_draft_cache_after_steps_equals_a_fresh_prefill(tmp_path):
     """A drafter keeps its step's K/V (pending tokens, tree levels) in a side buffer and
     writes back what the verdict keeps. After steps with partial acceptance, its

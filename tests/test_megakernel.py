@@ -211,6 +211,7 @@ VARIANTS = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_variants(name):
     """f32 variants; rows: a full KV tile ending at the cache's end (the last tile slides
@@ -242,6 +243,7 @@ def test_variants(name):
         np.testing.assert_allclose(got, want, atol=1e-5)  # NaN where both are NaN
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "rule",
     [ChildSampling.IID, pytest.param(ChildSampling.WITHOUT_REPLACEMENT, marks=pytest.mark.slow)],
@@ -292,8 +294,8 @@ def race_case(dtype):
     return cfg, args, blocks
 
 
-@pytest.mark.parametrize("mode", ["on_wait", "eager"])
-@pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
+@pytest.mark.parametrize("mode", [pytest.param("on_wait", marks=pytest.mark.slow), "eager"])
+@pytest.mark.parametrize("dtype_name", ["f32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_no_races(mode, dtype_name):
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
 

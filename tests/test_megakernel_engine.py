@@ -39,6 +39,7 @@ def test_greedy_megakernel_equals_xla_on_20_prompts(target_dir, prompts):
     assert all(len(t) == 16 for t in mega)
 
 
+@pytest.mark.slow
 def test_plain_and_sampled_decode_match(target_dir, prompts):
     """No drafter (N = 0 nodes) and seeded sampling rows: same tokens on both backends."""
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=6, ignore_eos=True)

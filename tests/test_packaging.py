@@ -23,6 +23,7 @@ def wheel(tmp_path_factory) -> Path:
     return whl
 
 
+@pytest.mark.slow
 def test_wheel_has_one_top_level_package(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
@@ -32,6 +33,7 @@ def test_wheel_has_one_top_level_package(wheel):
     assert "specdec/kernels/megakernel/__init__.py" in names
 
 
+@pytest.mark.slow
 def test_wheel_imports_from_a_clean_dir(wheel, tmp_path):
     target = tmp_path / "site"
     with zipfile.ZipFile(wheel) as z:

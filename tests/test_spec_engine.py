@@ -97,6 +97,7 @@ def test_greedy_equality_ngram(target_dir, prompts, reference, max_depth, topk):
     assert 0 in widths and set(widths) <= {0, 4, 8} and len(set(widths)) > 1
 
 
+@pytest.mark.slow
 def test_greedy_equality_ngram_truncated_by_cost(target_dir, prompts, reference):
     """Where a wide verify costs more than its nodes win (`workers.WidthChooser`), host
     trees are cut to a narrower width, or not verified at all: outputs unchanged."""
@@ -125,6 +126,7 @@ def test_greedy_equality_ngram_truncated_by_cost(target_dir, prompts, reference)
     assert llm.get_metrics()["num_accepted_tokens"] == before and cuts[-1][1] == 0
 
 
+@pytest.mark.slow
 def test_tree_reaches_chain_acceptance_length(target_dir, prompts):
     few = prompts[:8]
     chain = spec_llm(target_dir, target_dir, num_speculative_tokens=4, max_depth=4, topk=1)
@@ -142,6 +144,7 @@ def spec_and_ref(target_dir, prompts, reference):
     return spec_llm(target_dir, target_dir, **SHAPES["model_tree"]), prompts[:6], reference[:6]
 
 
+@pytest.mark.slow
 def test_eos_inside_accepted_run(spec_and_ref):
     llm, ps, ref = spec_and_ref
     for p, r in zip(ps, ref, strict=True):
@@ -153,6 +156,7 @@ def test_eos_inside_accepted_run(spec_and_ref):
     llm.engine.eos_token_ids = frozenset()
 
 
+@pytest.mark.slow
 def test_stop_token_inside_accepted_run(spec_and_ref):
     llm, ps, ref = spec_and_ref
     for p, r in zip(ps, ref, strict=True):
@@ -184,6 +188,7 @@ def test_stop_string_spanning_accepted_tokens(target_dir):
     assert out.text == full[: full.index(stop)]
 
 
+@pytest.mark.slow  # the engine's logic is in test_engine_logic.py (mocks); this on a model
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 9])
 def test_max_tokens_never_exceeded(spec_and_ref, max_tokens):
     llm, ps, ref = spec_and_ref
@@ -303,6 +308,7 @@ def test_first_two_tokens_match_target_marginals(small_vocab_pair, params):
     assert 0.5 * np.abs(c2 / n - p2).sum() < 3 * math.sqrt(v / n)
 
 
+@pytest.mark.slow
 def test_metrics_per_call_and_running_totals(target_dir, prompts):
     llm = spec_llm(target_dir, target_dir, num_speculative_tokens=4, max_depth=4, topk=1)
     outs = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
@@ -322,6 +328,7 @@ def test_metrics_per_call_and_running_totals(target_dir, prompts):
     )
 
 
+@pytest.mark.slow
 def test_a_request_reads_one_kv_length_from_start_to_end(target_dir, prompts, monkeypatch):
     """Its planned length (prompt + max_tokens + tree) is reserved at admission, so a
     request crossing the 128-position floor compiles no second KV variant."""
@@ -394,9 +401,15 @@ def penalized_reference(target_dir, prompts):
 @pytest.mark.parametrize(
     "spec",
     [
-        dict(draft="same", num_speculative_tokens=5, max_depth=5, topk=1),
+        pytest.param(
+            dict(draft="same", num_speculative_tokens=5, max_depth=5, topk=1),
+            marks=pytest.mark.slow,
+        ),
         dict(draft="same", num_speculative_tokens=16, max_depth=5, topk=3),
-        dict(draft="unrelated", num_speculative_tokens=8, max_depth=4, topk=2),
+        pytest.param(
+            dict(draft="unrelated", num_speculative_tokens=8, max_depth=4, topk=2),
+            marks=pytest.mark.slow,
+        ),
         dict(method="ngram", num_speculative_tokens=8, max_depth=4, topk=2),
     ],
     ids=["chain", "tree", "unrelated_tree", "ngram"],

@@ -56,8 +56,10 @@ def decode_path_logits(params, cfg, prompt, path_tokens):
     return out
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(
+    "name", [n if n == "llama_gqa" else pytest.param(n, marks=pytest.mark.slow) for n in CONFIGS]
+)
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_tree_forward_matches_path_decode(name, seed):
     cfg = CONFIGS[name]
     rng = np.random.default_rng(seed)
@@ -137,7 +139,7 @@ def test_commit_kv_keeps_accepted_path():
     np.testing.assert_allclose(np.asarray(logits[0, 0]), ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("unstacked", [False, True])
+@pytest.mark.parametrize("unstacked", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_rows_are_slots_reads_the_same_cache_rows_as_the_per_row_slices(unstacked):
     """`rows_are_slots` (one static slice of the layer) against per-row dynamic slices:
     same logits and K/V for every active row; an inactive row (-1) may read anything."""
@@ -178,7 +180,10 @@ def test_forward_train_matches_prefill():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("heads,kv_heads,n,b", [(4, 2, 3, 2), (4, 1, 1, 1), (6, 3, 5, 3)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,n,b",
+    [(4, 2, 3, 2), (4, 1, 1, 1), pytest.param(6, 3, 5, 3, marks=pytest.mark.slow)],
+)
 def test_per_kv_head_attention_matches_the_batched_form(heads, kv_heads, n, b):
     """The XLA CPU form (one product per KV head, keys optionally copied out
     transposed) computes what the reference's batched einsums do."""
@@ -217,7 +222,7 @@ def test_one_row_bfloat16_product_matches_plain_matmul(lead):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen3_kv1"])
+@pytest.mark.parametrize("name", ["llama_gqa", pytest.param("qwen3_kv1", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_runner_layout_forward_matches_the_reference(name, rows):
     """Everything `xla_layout.arrange` does at once (per-layer, untied head, fused
@@ -282,7 +287,9 @@ def test_prefill_with_a_non_power_of_two_chunk_matches_the_plain_forward():
     assert list(r.cache_lens) == [300, 130]
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "mistral_window"])
+@pytest.mark.parametrize(
+    "name", ["llama_gqa", pytest.param("mistral_window", marks=pytest.mark.slow)]
+)
 def test_multi_chunk_prefill_reads_only_earlier_chunks_and_matches_the_plain_forward(name):
     """Chunk 0 reads no cache; chunk i reads positions [0, start): logits and the
     K/V a later decode step attends to equal the one-pass forward."""
@@ -313,12 +320,15 @@ def test_multi_chunk_prefill_reads_only_earlier_chunks_and_matches_the_plain_for
     "cfg",
     [
         CONFIGS["qwen3_kv1"],
-        ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2,
-                    num_heads=2, num_kv_heads=1, head_dim=8, architecture=Architecture.QWEN2,
-                    attention_bias=True),
-        ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1,
-                    num_heads=2, num_kv_heads=2, head_dim=8, architecture=Architecture.QWEN3_MOE,
-                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
+        pytest.param(
+            ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2,
+                        num_heads=2, num_kv_heads=1, head_dim=8, architecture=Architecture.QWEN2,
+                        attention_bias=True), marks=pytest.mark.slow),
+        pytest.param(
+            ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1,
+                        num_heads=2, num_kv_heads=2, head_dim=8,
+                        architecture=Architecture.QWEN3_MOE, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=8), marks=pytest.mark.slow),
     ],
     ids=["qwen3_kv1", "qwen2_bias", "qwen3_moe"],
 )  # fmt: skip
