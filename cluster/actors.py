@@ -172,6 +172,7 @@ class TargetActor(_Host):
             vocab_size=self.cfg.vocab_size,
             placement=sharding.describe(self.cfg, self.mesh.size),
             dtype=self.dtype,
+            kernel=self.worker.kernel,
         )
 
     def prefill(self, data: bytes) -> bytes:

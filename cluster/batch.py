@@ -18,16 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from specdec.batch import (
-    BatchResult,
-    Progress,
-    ResultWriter,
-    Row,
-    is_done,
-    read_plan,
-    stream,
-    write_bad_rows,
-)
+from specdec.batch import BatchResult, Row, run_file, stream
 from specdec.params import SamplingParams
 
 
@@ -78,16 +69,15 @@ def generate_file_ray(
     """The Ray Data path: rows over an actor pool of `num_engines` engines."""
     import ray
 
-    rows, done_ids, done_lines = read_plan(input_path, output_path, defaults)
-    todo = [r for r in rows if not is_done(r, done_ids, done_lines)]
     env = {k: os.environ[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS") if k in os.environ}
-    if not ray.is_initialized():
-        ray.init(address=address, runtime_env={"env_vars": env} if env else None)
-    writer = ResultWriter(output_path)
-    bar = Progress(len(todo), progress)
-    try:
-        write_bad_rows(todo, writer, bar)
-        good = [
+    runtime_env = {"env_vars": env} if env else None
+
+    def results(good: list[Row]):
+        if not good:
+            return
+        if not ray.is_initialized():
+            ray.init(address=address, runtime_env=runtime_env)
+        items = [
             {
                 "line": r.line,
                 "id": json.dumps(r.id),
@@ -95,26 +85,20 @@ def generate_file_ray(
                 "messages": json.dumps(r.messages) if r.messages is not None else "",
                 "params": json.dumps(dataclasses.asdict(r.params)),
             }
-            for r in todo
-            if r.error is None
+            for r in good
         ]
-        if good:
-            ds = ray.data.from_items(good).map_batches(
-                _EngineActor,
-                fn_constructor_kwargs={"llm_kwargs": llm_kwargs},
-                batch_size=batch_size,
-                runtime_env={"env_vars": env} if env else None,
-                **_pool(ray.data, num_engines),
-            )
-            for batch in ds.iter_batches(batch_size=None):
-                for blob in batch["result"]:
-                    out, tokens = json.loads(blob)
-                    writer.write(out)
-                    bar.update(out, tokens)
-    finally:
-        bar.close()
-        writer.close()
-    return BatchResult(writer.rows, writer.errors, len(rows) - len(todo), bar.summary())
+        ds = ray.data.from_items(items).map_batches(
+            _EngineActor,
+            fn_constructor_kwargs={"llm_kwargs": llm_kwargs},
+            batch_size=batch_size,
+            runtime_env=runtime_env,
+            **_pool(ray.data, num_engines),
+        )
+        for batch in ds.iter_batches(batch_size=None):
+            for blob in batch["result"]:
+                yield tuple(json.loads(blob))
+
+    return run_file(input_path, output_path, defaults, results, progress)
 
 
 def _pool(data, n: int) -> dict:

@@ -627,6 +627,10 @@ def _hello(msg: dict, num_slots: int | None) -> None:
         _int(msg["max_nodes"], "max_nodes")
     if "dtype" in msg:
         _text(msg["dtype"], "dtype")
+    if "kernel" in msg and msg["kernel"] not in ("megakernel", "xla"):
+        raise MessageError(
+            f"field 'kernel' must be 'megakernel' or 'xla', got {_describe(msg['kernel'])}."
+        )
     if "can_speculate" in msg and type(msg["can_speculate"]) is not bool:
         raise MessageError(
             f"field 'can_speculate' must be a bool, got {_describe(msg['can_speculate'])}."
@@ -645,7 +649,7 @@ _SAMPLING_FIELDS = frozenset(f"sampling_{k}" for k in _SAMPLING)
 _SCHEMAS: dict[str, _Schema] = {
     "hello": _Schema(
         frozenset({"incarnation", "pid", "rank", "devices"}),
-        frozenset({"vocab_size", "placement", "dtype", "max_nodes", "can_speculate"}),
+        frozenset({"vocab_size", "placement", "dtype", "kernel", "max_nodes", "can_speculate"}),
         _hello,
     ),
     "prefill": _Schema(

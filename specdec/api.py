@@ -340,6 +340,12 @@ class LLM:
         return self.engine.last_error
 
     @property
+    def kernel(self) -> str:
+        """The target's verify backend that runs: "megakernel" or "xla"."""
+        target = self.engine.target
+        return target.info["kernel"] if self.cluster is not None else target.kernel
+
+    @property
     def tree(self) -> TreeShape | None:
         """The drafter's tree per step; None for plain decoding. On Ray the draft actor
         sizes an "auto" tree: its node count is read back, depth and topk are the

@@ -39,7 +39,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -326,13 +326,25 @@ def generate_file(
     llm, input_path: Path, output_path: Path, defaults: SamplingParams, *, progress: bool = True
 ) -> BatchResult:
     """The local path: one engine over the whole file (resumable; module docstring)."""
+    return run_file(input_path, output_path, defaults, lambda good: stream(llm, good), progress)
+
+
+def run_file(
+    input_path: Path,
+    output_path: Path,
+    defaults: SamplingParams,
+    results: Callable[[list[Row]], Iterable[tuple[dict, int]]],
+    progress: bool = True,
+) -> BatchResult:
+    """Reads and checks the file, skips rows already done (resume), writes the bad rows,
+    then each (output row, tokens) that `results` yields for the good rows, as it comes."""
     rows, done_ids, done_lines = read_plan(input_path, output_path, defaults)
     todo = [r for r in rows if not is_done(r, done_ids, done_lines)]
     writer = ResultWriter(output_path)
     bar = Progress(len(todo), progress)
     try:
         write_bad_rows(todo, writer, bar)
-        for out, tokens in stream(llm, (r for r in todo if r.error is None)):
+        for out, tokens in results([r for r in todo if r.error is None]):
             writer.write(out)
             bar.update(out, tokens)
     finally:

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from specdec import batch
 from specdec.flags import (
@@ -62,6 +63,7 @@ def cmd_generate(args) -> int:
         "acceptance_length": spec.acceptance_length if spec.num_drafts else None,
         "acceptance_rate": spec.acceptance_rate if spec.num_drafts else None,
         "method": args.method,
+        "kernel": llm.kernel,
         "tree": None
         if llm.tree is None
         else {"num_nodes": llm.tree.num_nodes, "max_depth": llm.tree.max_depth},
@@ -163,9 +165,19 @@ def _aot(rest: list[str]) -> int:
     # no /tmp/libtpu_lockfile), and several AOT processes may load libtpu at once.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from specdec.checkpoint import load_config
     from specdec.kernels import aot
 
-    return aot.main(rest)
+    def config_from(path: str):
+        """A model folder or its config.json (kernels/ never reads checkpoint files)."""
+        if not Path(path).exists():
+            raise ValueError(
+                f"--config {path!r} is not a preset ({', '.join(aot.PRESETS)}), nor an "
+                "existing model folder or config.json."
+            )
+        return load_config(path)
+
+    return aot.main(rest, load_config=config_from)
 
 
 if __name__ == "__main__":

@@ -338,10 +338,9 @@ class TargetWorker:
         if host and tree.tokens.shape[1] > 0:
             tree = truncate(tree, self.widths.choose(tree.parents, active))
         slots = np.where(active, np.arange(r.num_slots, dtype=np.int32), -1).astype(np.int32)
-        # Steps with a penalised row take the XLA verify: the megakernel's verdict would
-        # be the same (`reference.decide` redoes its greedy walk on penalised logits),
-        # but without the in-kernel walk it pays the kernel's cost for nothing here.
-        verify = _verify_xla if sampling.seen is not None else self._verify
+        # Penalised rows too: `reference.decide` redoes the kernel's greedy walk on the
+        # penalised logits, so the forward stays in the kernel.
+        verify = self._verify
         library = self.plan.library(r.num_slots * (tree.tokens.shape[1] + 1))
         emitted, num, accepted = verify(r, self.cfg, roots, tree, slots, active, sampling,
                                         library)  # fmt: skip

@@ -99,3 +99,20 @@ def test_cli_dispatches_aot_flags(capsys):
 
     assert cli.main(["aot", "--config", "no-such-model"]) == 2
     assert "not a preset" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("as_file", [False, True], ids=["folder", "config.json"])
+def test_cli_reads_a_model_folder_or_its_config(capsys, as_file):
+    """`specdec aot --config PATH` from the command line: a HF folder or its config.json
+    (the bundled demo target) compiles like the preset of the same shape."""
+    import json as _json
+
+    from specdec import cli
+
+    folder = Path(cli.__file__).parent / "assets" / "demo" / "target"
+    path = folder / "config.json" if as_file else folder
+    rc = cli.main(["aot", "--config", str(path), "--topology", "v5e:2x2", "--json",
+                   "--tree-nodes", "8", "--context", "256"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert _json.loads(out)["config"] == str(path)

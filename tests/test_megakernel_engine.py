@@ -66,3 +66,48 @@ def test_kernel_errors(target_dir, tmp_path):
     with pytest.raises(ValueError, match="dense models only.*kernel='xla'"):
         LLM(tmp_path / "moe", max_model_len=MAX_LEN, kernel="megakernel")
     assert LLM(tmp_path / "moe", max_model_len=MAX_LEN).engine.target.kernel == "xla"
+
+
+@pytest.mark.slow
+def test_penalised_rows_stay_in_the_kernel(target_dir, prompts, monkeypatch):
+    """A repetition penalty no longer sends the step to XLA: the kernel runs every step
+    and `reference.decide` redoes its greedy walk on the penalised logits."""
+    from specdec import workers
+
+    calls = []
+    kernel_step = workers.VERIFY_BACKENDS["megakernel"]
+
+    def spy(*a, **k):
+        calls.append(1)
+        return kernel_step(*a, **k)
+
+    monkeypatch.setitem(workers.VERIFY_BACKENDS, "megakernel", spy)
+    spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 4,
+            "max_depth": 3, "topk": 2}  # fmt: skip
+    penalised = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                               repetition_penalty=1.5)  # fmt: skip
+    mega = generate(target_dir, prompts[:3], "megakernel", spec, penalised)
+    assert calls, "the megakernel never ran"
+    steps = len(calls)
+    xla = generate(target_dir, prompts[:3], "xla", spec, penalised)
+    assert mega == xla and len(calls) == steps  # the XLA engine never called the kernel
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert generate(target_dir, prompts[:3], "xla", spec, plain) != xla  # the penalty bites
+
+
+@pytest.mark.slow
+def test_cli_megakernel_with_the_bundled_pairs_defaults(capsys):
+    """`specdec generate --kernel megakernel` with the demo pair's own defaults (penalty
+    1.2) runs the kernel, says so in its JSON, and prints what `--kernel xla` prints."""
+    import json
+
+    from specdec.cli import main
+
+    argv = ["generate", "def fib(n):", "--max-tokens", "24", "--json"]
+    results = {}
+    for kernel in ("megakernel", "xla"):
+        assert main([*argv, "--kernel", kernel]) == 0
+        results[kernel] = json.loads(capsys.readouterr().out)
+    assert results["megakernel"]["kernel"] == "megakernel" and results["xla"]["kernel"] == "xla"
+    assert results["megakernel"]["token_ids"] == results["xla"]["token_ids"]
+    assert len(results["xla"]["token_ids"]) == 24
