@@ -74,50 +74,56 @@ class ModelRunner:
         `needed` or of the rows' reservations, whichever is larger."""
         return kv_bucket(max(needed, int(self.reserved[rows].max(initial=0))), self.max_len)
 
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> jax.Array:
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> np.ndarray:
         """Writes the prompts' K/V into `slots`; returns last-token logits f32[B, V].
 
-        The batch is padded to a power of two and each chunk to `chunk_len`
-        (at most `prefill_chunk`), so few shapes are ever compiled.
+        One prompt per call, each cut into chunks of `chunk_len` (at most
+        `prefill_chunk`): the programs a prompt runs depend on its own length only,
+        never on which prompts arrive together, so a handful of shapes covers every
+        prompt up to `max_len` (`prefill_shapes`) and none pads to a longer neighbour.
         """
-        b = len(prompts)
-        bb = bucket(b, self.num_slots)
-        lens = np.zeros(bb, np.int32)
-        lens[:b] = [len(p) for p in prompts]
-        longest = int(lens.max())
-        chunk = chunk_len(longest, self.prefill_chunk)
-        toks = np.zeros((bb, -(-longest // chunk) * chunk), np.int32)
-        for i, p in enumerate(prompts):
-            toks[i, : len(p)] = p
-        slot_arr = np.full(bb, -1, np.int32)
-        slot_arr[:b] = slots
-        last = None
+        return np.stack([self._prefill_one(s, p) for s, p in zip(slots, prompts, strict=True)])
+
+    def _prefill_one(self, slot: int, prompt: Sequence[int]) -> np.ndarray:
+        n = len(prompt)
+        chunk = chunk_len(n, self.prefill_chunk)
+        toks = np.zeros((1, -(-n // chunk) * chunk), np.int32)
+        toks[0, :n] = prompt
+        slots = np.array([slot], np.int32)
+        logits = None
         for start in range(0, toks.shape[1], chunk):
-            n_in = np.clip(lens - start, 0, chunk)  # this chunk's tokens per row
-            row_slots = np.where(n_in > 0, slot_arr, -1)
-            logit_index = np.clip(lens - 1 - start, 0, chunk - 1).astype(np.int32)
+            n_in = np.array([min(chunk, n - start)], np.int32)
+            logit_index = np.array([min(chunk, n - start) - 1], np.int32)
             # Attention reads the cache only below `start` (the chunk's own K/V are in
             # the block): the first chunk reads none of it.
             kv_len = kv_bucket(start, self.max_len) if start else 0
-            starts = np.full(bb, start, np.int32)
+            starts = np.array([start], np.int32)
             logits, ks, vs = _prefill_chunk(
                 self.params,
                 self.cache,
                 toks[:, start : start + chunk],
                 starts,
-                n_in.astype(np.int32),
-                row_slots,
+                n_in,
+                slots,
                 logit_index,
                 cfg=self.cfg,
                 kv_len=kv_len,
                 layout=self.layout,
             )
-            self.cache = transformer.write_kv(self.cache, ks, vs, row_slots, starts)
-            ends_here = (lens - 1 >= start) & (lens - 1 < start + chunk)
-            last = logits if last is None else jnp.where(ends_here[:, None], logits, last)
-        for s, n in zip(slots, lens[:b], strict=True):
-            self.cache_lens[s] = n
-        return last[:b]
+            self.cache = transformer.write_kv(self.cache, ks, vs, slots, starts)
+        self.cache_lens[slot] = n
+        return np.asarray(logits[0])  # the prompt ends in the last chunk
+
+    def prefill_shapes(self, max_prompt_len: int) -> list[int]:
+        """Prompt lengths that, prefilled, run every program a prompt of at most
+        `max_prompt_len` tokens needs: one per chunk length, then one per further
+        chunk of a long prompt (each reads a longer cache)."""
+        longest = {}  # chunk length -> the longest prompt in one chunk of it
+        for n in range(1, min(max_prompt_len, self.prefill_chunk) + 1):
+            longest[chunk_len(n, self.prefill_chunk)] = n
+        return sorted(longest.values()) + list(
+            range(self.prefill_chunk + 1, max_prompt_len + 1, self.prefill_chunk)
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kv_len", "layout"))
@@ -146,19 +152,20 @@ def bucket(n: int, cap: int) -> int:
     return min(p, max(cap, n))
 
 
-def chunk_len(n: int, cap: int, floor: int = 128) -> int:
-    """Prefill chunk for an n-token prompt: a power of two up to `floor`, then n rounded
-    up to an eighth of its octave (steps of 16 up to 256, 32 up to 512, ...), at most
-    `cap`. Example: 5 -> 8, 300 -> 320, 449 -> 480, 900 -> 512 (two chunks).
+def chunk_len(n: int, cap: int, floor: int = 128, least: int = 16) -> int:
+    """Prefill chunk for an n-token prompt: a power of two from `least` up to `floor`,
+    then n rounded up to a quarter of its octave (steps of 32 up to 256, 64 up to
+    512, ...), at most `cap`. Example: 5 -> 16, 300 -> 320, 449 -> 512, 900 -> 512
+    (two chunks).
 
-    Padding is wasted prefill work: rounding to multiples of 128 pads a 258-token
-    prompt to 384; eighths pad by at most 12.5%, for eight compiled chunk lengths
-    per octave.
+    Every chunk length is a compiled program (`ModelRunner.prefill_shapes`): twelve
+    cover every prompt up to 512 tokens, while a prompt past `floor` pads by at most
+    25% (rounding to multiples of 128 would pad a 258-token prompt to 384).
     """
     if n <= floor:
-        return min(bucket(n, cap), cap)
+        return min(max(bucket(n, cap), least), cap)
     n = int(n)
-    step = max(16, (1 << (n.bit_length() - 1)) // 8)
+    step = max(16, (1 << (n.bit_length() - 1)) // 4)
     return min(-(-n // step) * step, cap)
 
 

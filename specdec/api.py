@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import jax
 from tqdm.auto import tqdm
 
 from specdec.checkpoint import load_config, load_model
@@ -57,6 +58,12 @@ class LLM:
             groups (`specdec.cluster.ClusterConfig`); the step loop stays here.
         distributed_executor_backend: "ray" = the same with a default ClusterConfig
             (one host per group) when `cluster` is None.
+        compile_at_start: compile, before returning, every program a request of up
+            to `max_model_len` tokens can run (`LLMEngine.compile_shapes`, behind a
+            progress bar), so no request waits on a compile mid-run; programs are
+            kept in the persistent compile cache ($SPECDEC_CACHE/xla), so later
+            starts load them. Off by default: it costs start-up time (minutes for
+            a large `max_model_len` on a first start) that one-off runs never win back.
     """
 
     def __init__(
@@ -72,6 +79,7 @@ class LLM:
         kernel: KernelName = "auto",
         cluster: ClusterConfig | None = None,
         distributed_executor_backend: Literal["ray"] | None = None,
+        compile_at_start: bool = False,
     ):
         if dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}.")
@@ -167,6 +175,9 @@ class LLM:
         # calls share one continuous batch.
         self._lock = threading.RLock()
         self._requests: dict[str, Any] = {}  # request id -> the engine's sequence (`add_request`)
+        if compile_at_start:
+            enable_compilation_cache()
+            self.engine.compile_shapes(progress=True)
 
     # ------------------------------------------------------------------ input checks
 
@@ -429,3 +440,15 @@ def _call_metrics(outputs: list[RequestOutput], seconds: float) -> dict:
         "mean_ttft": sum(ttfts) / len(ttfts) if ttfts else None,
         "mean_tpot": sum(tpots) / len(tpots) if tpots else None,
     }
+
+
+def enable_compilation_cache() -> None:
+    """Reuse XLA compilations across runs (first run compiles, later ones start fast)."""
+    cache = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")) / "xla"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(cache))
+        # Every program, however quick to compile: the quick ones add up.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    except OSError:
+        pass  # read-only home: just compile every time

@@ -382,7 +382,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`specdec batch` flags: model and sampling flags as `specdec generate`, plus I/O."""
     parser.add_argument("--input", required=True, type=Path, help="prompts, one JSON per line")
     parser.add_argument("--output", required=True, type=Path, help="results JSONL (appended)")
-    add_model_arguments(parser)
+    add_model_arguments(parser, compile_at_start=True)  # a file of prompts: no stall per new shape
     add_sampling_arguments(parser)
     g = parser.add_argument_group("batch")
     g.add_argument("--ray", action="store_true", help="run on Ray Data (actor pool of engines)")
@@ -403,4 +403,5 @@ def llm_kwargs(args) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "speculative_config": speculative_from_args(args),
         "kernel": args.kernel,
+        "compile_at_start": args.compile_at_start,
     }

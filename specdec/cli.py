@@ -21,13 +21,14 @@ from specdec.flags import (
     add_model_arguments,
     add_sampling_arguments,
     build_llm,
-    enable_compilation_cache,
     sampling_from_args,
 )
 
 
 def cmd_generate(args) -> int:
     t0 = time.perf_counter()
+    from specdec.api import enable_compilation_cache  # jax only once a command needs it
+
     enable_compilation_cache()
     params = sampling_from_args(args)
     llm = build_llm(args)

@@ -42,6 +42,8 @@ from collections import deque
 import numpy as np
 
 from specdec.draft.base import DraftBatch, Drafter
+from specdec.draft.model import ModelDrafter
+from specdec.kernels.runner import kv_bucket
 from specdec.outputs import (
     CompletionOutput,
     RequestMetrics,
@@ -49,6 +51,7 @@ from specdec.outputs import (
     SpecDecodeMetrics,
 )
 from specdec.params import SamplingParams
+from specdec.plan import verify_widths
 from specdec.tokenizer import IncrementalDetokenizer, Tokenizer
 from specdec.verify.batch import SamplingBatch
 from specdec.workers import TargetWorker
@@ -171,6 +174,89 @@ class LLMEngine:
     @property
     def running(self) -> list[Sequence]:
         return [s for s in self.slots if s is not None]
+
+    # ------------------------------------------------------------------ compiling
+
+    def compile_shapes(self, *, progress: bool = False) -> int:
+        """Runs every program a request of up to `max_model_len` tokens can need, on
+        dummy data in slot 0, so that no request waits on a compile once serving
+        starts. Returns the number of dummy runs (0 for remote workers, which compile
+        on their own hosts).
+
+        The programs: the prefill of each chunk shape of a prompt (`prefill_shapes`:
+        target and draft), the first-token draw, and one step (propose, verify,
+        commit) at every K/V length a step can read (`kv_bucket`), at every tree
+        width the target verifies (host trees are cut to `verify_widths`), each with
+        and without a repetition penalty (the penalty adds a `seen` operand: another
+        program). Slot 0 is released after each run; nothing is left behind.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("compile_shapes needs an idle engine (no request running).")
+        target, drafter = self.target, self.drafter
+        if not isinstance(target, TargetWorker):
+            logger.info("compile_shapes: remote workers compile on their own hosts")
+            return 0
+        from tqdm.auto import tqdm
+
+        r, s = target.runner, self.max_num_seqs
+        plain = SamplingBatch.make_dummy(s)
+        variants = [plain]
+        if self.vocab_size is not None:
+            variants.append(dataclasses.replace(
+                plain, repetition_penalty=np.ones(s, np.float32),
+                seen=np.zeros((s, self.vocab_size), bool),
+            ))  # fmt: skip
+        first = [_rows(v, 1) for v in variants]
+        lengths = r.prefill_shapes(self.max_model_len - 1)
+        runners = [r] + ([drafter.runner] if isinstance(drafter, ModelDrafter) else [])
+        kv_lens = sorted({kv_bucket(x, q.max_len) for q in runners for x in range(q.max_len + 1)})
+        nodes = drafter.max_nodes if drafter is not None else 0
+        # An in-process model drafter's trees stay on the device at full width; host
+        # trees (n-gram) are verified at the narrowest width that holds them.
+        widths = (nodes,) if isinstance(drafter, ModelDrafter) else verify_widths(nodes)
+        total = len(lengths) + len(first) - 1 + len(kv_lens) * len(variants) * len(widths)
+        bar = tqdm(total=total, desc="compiling", unit="shape", disable=not progress)
+        saved, target.widths = target.widths, None  # verify each width as asked
+        try:
+            for i, n in enumerate(lengths):
+                for v in first if i == 0 else first[:1]:
+                    self._dummy_prefill([1] * n, v)
+                    self._dummy_release()
+                    bar.update(1)
+            for k in kv_lens:
+                for v in variants:
+                    for w in widths:
+                        root = self._dummy_prefill([1], _rows(v, 1))
+                        for q in runners:
+                            q.reserved[0] = k  # the step reads k positions (`kv_len`)
+                        active = np.zeros(s, bool)
+                        active[0] = True
+                        roots = np.zeros(s, np.int32)
+                        roots[0] = root
+                        if isinstance(drafter, ModelDrafter):
+                            tree = drafter.propose(active, roots, v)
+                        else:
+                            tree = _dummy_tree(s, nodes, w)
+                        emitted, num, accepted = target.verify(roots, tree, active, v)
+                        if drafter is not None:
+                            drafter.commit(active, accepted, num, emitted)
+                        self._dummy_release()
+                        bar.update(1)
+        finally:
+            target.widths = saved
+            bar.close()
+        return total
+
+    def _dummy_prefill(self, prompt: list[int], sampling: SamplingBatch) -> int:
+        root = int(self.target.prefill([0], [prompt], sampling)[0])
+        if self.drafter is not None:
+            self.drafter.start([0], [prompt], [root])
+        return root
+
+    def _dummy_release(self) -> None:
+        self.target.release(0)
+        if self.drafter is not None:
+            self.drafter.release(0)
 
     # ------------------------------------------------------------------ stepping
 
@@ -336,3 +422,19 @@ class LLMEngine:
         seq.finish_reason, seq.stop_reason, seq.stop_text_end = "stop", s, pos
         seq.metrics.finished_time = time.perf_counter()
         return True
+
+
+def _rows(sampling: SamplingBatch, n: int) -> SamplingBatch:
+    """The first n rows of `sampling`."""
+    return SamplingBatch(**{
+        f.name: None if getattr(sampling, f.name) is None else getattr(sampling, f.name)[:n]
+        for f in dataclasses.fields(sampling)
+    })  # fmt: skip
+
+
+def _dummy_tree(num_slots: int, max_nodes: int, width: int) -> DraftBatch:
+    """Host trees padded to `max_nodes`: slot 0 holds a chain of `width` nodes."""
+    tree = DraftBatch.empty(num_slots, max_nodes)
+    tree.tokens[0, :width] = 1
+    tree.parents[0, :width] = np.arange(width) - 1
+    return tree

@@ -9,7 +9,6 @@ in one line on stderr; `--method none` is plain decoding.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -43,7 +42,9 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
-def add_model_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 8) -> None:
+def add_model_arguments(
+    p: argparse.ArgumentParser, max_num_seqs: int = 8, compile_at_start: bool = False
+) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=str(DEMO_DIR / "target"), help="target model folder")
     g.add_argument("--draft", default=None, help="draft model folder (default: bundled draft)")
@@ -71,6 +72,12 @@ def add_model_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 8) -> No
     g.add_argument(
         "--max-num-seqs", type=_positive_int, default=max_num_seqs,
         help=f"sequences decoded together (default {max_num_seqs})",
+    )  # fmt: skip
+    g.add_argument(
+        "--compile-at-start", action=argparse.BooleanOptionalAction, default=compile_at_start,
+        help="compile every program a request up to --max-model-len can run before the "
+             "first one, kept in $SPECDEC_CACHE/xla for later starts "
+             f"(default {'on' if compile_at_start else 'off'})",
     )  # fmt: skip
 
 
@@ -145,19 +152,5 @@ def build_llm(args):
     return LLM(
         args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, speculative_config=speculative_from_args(args),
-        kernel=args.kernel,
+        kernel=args.kernel, compile_at_start=args.compile_at_start,
     )  # fmt: skip
-
-
-def enable_compilation_cache() -> None:
-    """Reuse XLA compilations across runs (first run compiles, later ones start fast)."""
-    import jax
-
-    cache = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")) / "xla"
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", str(cache))
-        # Every program, however quick to compile: the quick ones add up.
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    except OSError:
-        pass  # read-only home: just compile every time

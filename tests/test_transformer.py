@@ -259,14 +259,23 @@ def test_kv_cache_is_float32_on_cpu_for_bfloat16_weights():
 def test_prefill_chunk_lengths():
     from specdec.kernels.runner import chunk_len
 
-    assert [chunk_len(n, 512) for n in (1, 3, 5, 100, 128)] == [1, 4, 8, 128, 128]
-    assert [chunk_len(n, 512) for n in (129, 144, 145, 256, 257, 300, 449, 481, 512)] == [
-        144, 144, 160, 256, 288, 320, 480, 512, 512,
+    assert [chunk_len(n, 512) for n in (1, 3, 5, 16, 17, 100, 128)] == [
+        16,
+        16,
+        16,
+        16,
+        32,
+        128,
+        128,
+    ]
+    assert [chunk_len(n, 512) for n in (129, 160, 161, 256, 257, 300, 449, 481, 512)] == [
+        160, 160, 192, 256, 320, 320, 512, 512, 512,
     ]  # fmt: skip
-    assert chunk_len(900, 512) == 512 and chunk_len(100, 64) == 64
-    for n in range(129, 2049):  # at most 12.5% padding, whole 16-row tiles
+    assert chunk_len(900, 512) == 512 and chunk_len(100, 64) == 64 and chunk_len(3, 8) == 8
+    for n in range(129, 2049):  # at most 25% padding, whole 16-row tiles
         c = chunk_len(n, 4096)
-        assert n <= c <= n * 1.125 and c % 16 == 0, n
+        assert n <= c <= n * 1.25 and c % 16 == 0, n
+    assert len({chunk_len(n, 512) for n in range(1, 513)}) == 12
 
 
 def test_prefill_with_a_non_power_of_two_chunk_matches_the_plain_forward():
