@@ -43,7 +43,7 @@ import numpy as np
 from jax._src import xla_bridge
 
 from specdec.kernels import transformer
-from specdec.kernels.config import Architecture, ModelConfig
+from specdec.kernels.config import Architecture, ModelConfig, RopeScaling
 from specdec.kernels.megakernel import kernel, tuning
 from specdec.kernels.megakernel.tuning import MIB, BlockSizes
 from specdec.verify.batch import SamplingBatch
@@ -60,6 +60,17 @@ PRESETS = {
         vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
         num_heads=32, num_kv_heads=8, head_dim=128, architecture=Architecture.QWEN3,
         qk_norm=True, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+    ),
+    # Dense, the size class of the seed's Qwen3.8-27B.
+    "qwen3-32b": ModelConfig(
+        vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_layers=64,
+        num_heads=64, num_kv_heads=8, head_dim=128, architecture=Architecture.QWEN3,
+        qk_norm=True, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+    ),
+    "llama-3.1-70b": ModelConfig(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+        num_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=5e5,
+        max_position_embeddings=131072, rope_scaling=RopeScaling(),
     ),
 }  # fmt: skip
 
@@ -95,6 +106,8 @@ class AotReport:
     steps_per_s: float  # read_bytes-bound ceiling at the chip's bandwidth
     acceptance_length: float
     tokens_per_s: float  # steps_per_s * acceptance_length * batch
+    resident_bytes: int = 0  # HBM the device holds: every weight + the K/V cache
+    hbm_capacity_bytes: int = 0  # HBM per device
 
 
 def weight_read_bytes(cfg: ModelConfig, dtype, rows: int) -> int:
@@ -111,6 +124,31 @@ def kv_read_bytes(cfg: ModelConfig, dtype, *, batch: int, context: int) -> int:
     """HBM bytes of committed K and V one step reads (every layer and KV head)."""
     per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(dtype).itemsize
     return batch * context * per_pos
+
+
+def resident_bytes(cfg: ModelConfig, dtype, *, batch: int, max_len: int) -> tuple[int, int]:
+    """HBM a one-device target holds: (every weight, the K/V cache of `batch` rows of
+    `max_len` positions)."""
+    itemsize = np.dtype(dtype).itemsize
+    shapes = jax.tree.leaves(transformer.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    weights = sum(math.prod(s) for s in shapes) * itemsize
+    return weights, kv_read_bytes(cfg, dtype, batch=batch, context=max_len)
+
+
+def check_device_memory(cfg, chip, dtype, *, batch: int, max_len: int, name: str = "") -> None:
+    """Refuses, before any compiling, a target whose weights and K/V cache exceed one
+    device's HBM (ValueError with both numbers)."""
+    weights, kv = resident_bytes(cfg, dtype, batch=batch, max_len=max_len)
+    cap = chip.hbm_bytes_per_device
+    if weights + kv > cap:
+        gib = tuning.GIB
+        raise ValueError(
+            f"{name or 'this config'} needs {(weights + kv) / gib:.1f} GiB per device "
+            f"({weights / gib:.1f} GiB of {np.dtype(dtype).name} weights + {kv / gib:.1f} GiB "
+            f"of K/V cache for {batch} x {max_len} positions), more than the "
+            f"{cap / gib:.0f} GiB of HBM one {chip.name} device has; it needs a target "
+            "sharded over several devices."
+        )
 
 
 def compile_verify(
@@ -153,11 +191,12 @@ def compile_verify(
     max_len = tuning.round_up(
         max(context + tree_nodes + 1, tuning.kv_write_rows(tree_nodes, wdtype)), 128
     )
+    check_device_memory(cfg, chip, wdtype, batch=batch, max_len=max_len, name=config_name)
     limit = chip.vmem_bytes - tuning.VMEM_HEADROOM
-    if block_sizes is None:
-        block_sizes = tuning.default_block_sizes(
-            cfg, batch=batch, num_nodes=tree_nodes, weight_dtype=wdtype, cache_dtype=wdtype,
-            max_len=max_len, vmem_budget=chip.vmem_bytes - 8 * MIB,
+    if block_sizes is None:  # the engine's own choice on this chip (`kernel.verify`)
+        block_sizes = tuning.step_block_sizes(
+            cfg, chip, batch=batch, num_nodes=tree_nodes, weight_dtype=wdtype,
+            cache_dtype=wdtype, max_len=max_len,
         )  # fmt: skip
     if block_overrides:
         block_sizes = dataclasses.replace(block_sizes, **block_overrides)
@@ -228,6 +267,8 @@ def compile_verify(
         hbm_bytes_per_s=chip.hbm_bytes_per_s, cores_per_chip=chip.cores_per_chip,
         steps_per_s=steps, acceptance_length=acceptance_length,
         tokens_per_s=steps * acceptance_length * batch,
+        resident_bytes=sum(resident_bytes(cfg, wdtype, batch=batch, max_len=max_len)),
+        hbm_capacity_bytes=chip.hbm_bytes_per_device,
     )  # fmt: skip
 
 
@@ -262,10 +303,13 @@ def format_report(rep: AotReport) -> str:
         f"  VMEM:         {vmem:.1f} MiB explicit of {rep.vmem_capacity_bytes / MIB:.0f} MiB per "
         f"TensorCore (limit {rep.vmem_limit_bytes / MIB:.1f} MiB, "
         f"{spare})",
+        f"  HBM held:     {rep.resident_bytes / gib:.2f} GiB of "
+        f"{rep.hbm_capacity_bytes / gib:.0f} GiB per device (weights + K/V cache)",
         f"  HBM read:     {rep.read_bytes / gib:.2f} GiB per step (weights "
         f"{rep.weight_bytes / gib:.2f} GiB + KV {rep.kv_bytes / gib:.2f} GiB); writes "
         f"{rep.write_bytes / gib:.3f} GiB (tree KV + logits)",
-        f"  ceiling:      {rep.steps_per_s:.0f} steps/s, {rep.tokens_per_s:.0f} tokens/s at "
+        f"  ceiling:      {rep.steps_per_s:.0f} steps/s, {rep.tokens_per_s:.0f} tokens/s (a "
+        "PROJECTION from bytes and bandwidth, not a measurement) at "
         f"acceptance length {rep.acceptance_length:g} "
         f"({rep.hbm_bytes_per_s / tb:.2f} TB/s per chip)",
     ]

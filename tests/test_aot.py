@@ -41,7 +41,8 @@ def test_qwen3_8b_compiles_for_tpu7x(capsys):
     assert aot.main(argv) == 0
     out = capsys.readouterr().out
     print(out)  # the figures quoted in docs/megakernel.md
-    assert "OK in" in out and "per TensorCore" in out and "tokens/s at acceptance length 4" in out
+    assert "OK in" in out and "per TensorCore" in out and "PROJECTION" in out
+    assert "not a measurement) at acceptance length 4" in out and "GiB per device" in out
 
 
 @pytest.mark.slow
@@ -116,3 +117,78 @@ def test_cli_reads_a_model_folder_or_its_config(capsys, as_file):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert _json.loads(out)["config"] == str(path)
+
+
+def test_device_memory_check_refuses_before_compiling(capsys):
+    """Weights + K/V beyond one device's HBM are refused with both numbers, before any
+    compile: Llama-3.1-70B in bfloat16 (~131 GiB of weights) on one TPU7x TensorCore
+    (96 GiB, half of a 192 GB chip)."""
+    cfg = aot.PRESETS["llama-3.1-70b"]
+    weights, kv = aot.resident_bytes(cfg, "bfloat16", batch=1, max_len=4224)
+    assert 130 < weights / tuning.GIB < 133 and kv == 2 * 80 * 8 * 128 * 4224 * 2
+    want = (
+        r"llama-3.1-70b needs 13\d\.\d GiB per device \(13\d\.\d GiB of bfloat16 "
+        r"weights \+ 1\.\d GiB of K/V cache .*than the 96 GiB of HBM one tpu7x"
+    )
+    with pytest.raises(ValueError, match=want):
+        aot.compile_verify(cfg, topology="tpu7x:2x2x1", tree_nodes=64, context=4096,
+                           config_name="llama-3.1-70b")  # fmt: skip
+    assert aot.main(["--config", "llama-3.1-70b", "--topology", "tpu7x:2x2x1"]) == 2
+    assert "more than the 96 GiB of HBM" in capsys.readouterr().err
+    # The dense 32B preset (the seed's 27B size class) fits one TensorCore's HBM.
+    w32, kv32 = aot.resident_bytes(aot.PRESETS["qwen3-32b"], "bfloat16", batch=1, max_len=4224)
+    assert w32 + kv32 < tuning.CHIPS["tpu7x"].hbm_bytes_per_device
+
+
+def test_engine_and_aot_choose_one_step():
+    """The engine's verify (`kernel.verify` without block sizes, here traced on the CPU,
+    which sizes for the default chip) and `specdec aot` for that chip pick block sizes
+    and the VMEM limit through one function, from the same inputs: the program
+    compiled ahead of time is the one the engine would run."""
+    import dataclasses
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from specdec.kernels.megakernel import kernel
+    from specdec.verify.batch import SamplingBatch
+    from specdec.verify.tree import ChildSampling
+
+    seen = []
+    real = tuning.step_block_sizes
+
+    def spy(cfg, chip, **kw):
+        bs = real(cfg, chip, **kw)
+        seen.append((cfg, chip, kw, bs))
+        return bs
+
+    cfg, nodes, context = aot.PRESETS["demo-target"], 8, 256
+    topology = f"{tuning.DEFAULT_CHIP}:2x2x1"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tuning, "step_block_sizes", spy)
+        rep = aot.compile_verify(cfg, topology=topology, tree_nodes=nodes, context=context)
+        max_len = seen[0][2]["max_len"]
+        sds = jax.ShapeDtypeStruct
+        params = jax.tree.map(lambda s: sds(s, jnp.bfloat16), aot.transformer.param_shapes(cfg),
+                              is_leaf=lambda x: isinstance(x, tuple))  # fmt: skip
+        cache_shape = (cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim)
+        cache = aot.transformer.KVCache(
+            sds(cache_shape, jnp.bfloat16), sds(cache_shape, jnp.bfloat16)
+        )
+        i32 = jnp.int32
+        topk = ChildSampling.DETERMINISTIC_TOPK
+        jax.eval_shape(
+            functools.partial(kernel.verify, cfg=cfg, child_sampling=topk, interpret=True),
+            params, cache, sds((1,), i32), sds((1, nodes), i32), sds((1, nodes), i32), None,
+            sds((1,), i32), sds((1,), i32), SamplingBatch.make_dummy(1),
+            sds((1, nodes + 1), jnp.float32),
+        )  # fmt: skip
+    (aot_cfg, aot_chip, aot_kw, aot_bs), (eng_cfg, eng_chip, eng_kw, eng_bs) = seen
+    assert (aot_cfg, aot_chip, aot_kw) == (eng_cfg, eng_chip, eng_kw)
+    assert aot_bs == eng_bs and rep.block_sizes == dataclasses.asdict(eng_bs)
+    assert (
+        eng_bs.vmem_limit_bytes
+        == rep.vmem_limit_bytes
+        == eng_chip.vmem_bytes - tuning.VMEM_HEADROOM
+    )

@@ -107,17 +107,17 @@ def verify(
     *,
     cfg: ModelConfig,
     child_sampling: ChildSampling,
-    block_sizes: BlockSizes | None = None,  # None = tuning.default_block_sizes
+    block_sizes: BlockSizes | None = None,  # None = tuning.step_block_sizes for this chip
     interpret: bool | pltpu.InterpretParams = False,  # True / InterpretParams: run on CPU
 ) -> VerifyResult:
     """`reference.verify` as one Pallas kernel (module docstring)."""
     _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, uniforms, cfg)
     b, n = tokens.shape
     wdtype = params["layers"]["wq"].dtype
-    if block_sizes is None:
-        block_sizes = tuning.default_block_sizes(
-            cfg, batch=b, num_nodes=n, weight_dtype=wdtype, cache_dtype=cache.k.dtype,
-            max_len=cache.max_len,
+    if block_sizes is None:  # what `specdec aot` compiles for the same chip
+        block_sizes = tuning.step_block_sizes(
+            cfg, tuning.chip_for_device(jax.devices()[0]), batch=b, num_nodes=n,
+            weight_dtype=wdtype, cache_dtype=cache.k.dtype, max_len=cache.max_len,
         )  # fmt: skip
     block_sizes.validate(cfg, max_len=cache.max_len, tpu=not interpret)
     logits, greedy, cache = _verify_call(

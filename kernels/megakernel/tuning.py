@@ -35,12 +35,20 @@ class Chip:
     vmem_bytes: int  # VMEM per TensorCore (one JAX device)
     hbm_bytes_per_s: float  # HBM bandwidth per chip
     cores_per_chip: int  # TensorCores per chip; on TPU7x each is its own JAX device
+    hbm_bytes: int  # HBM capacity per chip (each JAX device holds its share)
+
+    @property
+    def hbm_bytes_per_device(self) -> int:
+        return self.hbm_bytes // self.cores_per_chip
 
 
+GIB = 1024 * MIB
+# Published figures: TPU7x (Ironwood) 192 GB HBM at 7.37 TB/s per chip, two
+# TensorCores; v6e (Trillium) 32 GB at 1.64 TB/s; v5e 16 GB at 819 GB/s.
 CHIPS = {
-    "tpu7x": Chip("tpu7x", 64 * MIB, 7.37e12, 2),
-    "v6e": Chip("v6e", 128 * MIB, 1.64e12, 1),
-    "v5e": Chip("v5e", 128 * MIB, 0.82e12, 1),
+    "tpu7x": Chip("tpu7x", 64 * MIB, 7.37e12, 2, 192 * GIB),
+    "v6e": Chip("v6e", 128 * MIB, 1.64e12, 1, 32 * GIB),
+    "v5e": Chip("v5e", 128 * MIB, 0.82e12, 1, 16 * GIB),
 }
 
 
@@ -319,3 +327,46 @@ def default_block_sizes(
         caps[field] = min(caps[field], getattr(bs, field)) // 2
         bs = build(caps)
     return bs
+
+
+# VMEM kept back from the tiles' double buffers when choosing block sizes: the
+# kernel's row-sized scratch and Mosaic's own use grow with the batch.
+STREAM_RESERVE = 8 * MIB
+# A chip's device_kind (as JAX reports it) -> its CHIPS entry.
+DEVICE_KINDS = {"tpu7x": "tpu7x", "tpu v6 lite": "v6e", "tpu v6e": "v6e", "tpu v5 lite": "v5e"}
+DEFAULT_CHIP = "tpu7x"  # what interpret mode on a CPU host sizes its tiles for
+
+
+def chip_for_device(device) -> Chip:
+    """The CHIPS entry of a JAX device; `DEFAULT_CHIP` for a device that is no TPU
+    (interpret mode sizes tiles as the default target would)."""
+    if device.platform != "tpu":
+        return CHIPS[DEFAULT_CHIP]
+    kind = device.device_kind.lower()
+    if kind not in DEVICE_KINDS:
+        raise ValueError(
+            f"No tuning for TPU device kind {device.device_kind!r}; known: "
+            f"{sorted(DEVICE_KINDS)}. Pass block_sizes explicitly."
+        )
+    return CHIPS[DEVICE_KINDS[kind]]
+
+
+def step_block_sizes(
+    cfg: ModelConfig,
+    chip: Chip,
+    *,
+    batch: int,
+    num_nodes: int,
+    weight_dtype,
+    cache_dtype,
+    max_len: int,
+) -> BlockSizes:
+    """The block sizes and VMEM limit of the verify step on `chip`: the one choice the
+    engine (`kernel.verify` without block sizes) and `specdec aot` both make, so the
+    program compiled ahead of time is the one the engine runs. Tiles fit the chip's
+    VMEM less `STREAM_RESERVE`; the compiler's limit is the VMEM less `VMEM_HEADROOM`."""
+    bs = default_block_sizes(
+        cfg, batch=batch, num_nodes=num_nodes, weight_dtype=weight_dtype,
+        cache_dtype=cache_dtype, max_len=max_len, vmem_budget=chip.vmem_bytes - STREAM_RESERVE,
+    )  # fmt: skip
+    return dataclasses.replace(bs, vmem_limit_bytes=chip.vmem_bytes - VMEM_HEADROOM)
