@@ -151,7 +151,7 @@ class TargetActor(_Host):
         self.cfg, params = load_model(model, dtype=dtype)
         self.worker = workers.TargetWorker(
             self.cfg,
-            sharding.shard_params(self.cfg, params, self.mesh),
+            params,
             num_slots=num_slots,
             max_model_len=max_model_len,
             max_tree_nodes=max_tree_nodes,
@@ -159,8 +159,8 @@ class TargetActor(_Host):
             plan=plan.make_plan(
                 self.cfg, dtype=dtype, spec=None, num_slots=num_slots, max_tree_nodes=max_tree_nodes
             ),
+            mesh=self.mesh,
         )
-        sharding.shard_runner(self.worker.runner, self.mesh)
         self.num_slots = num_slots
         self.max_tree_nodes = max_tree_nodes
         logger.info("target on %s: %s", self.mesh, sharding.describe(self.cfg, self.mesh.size))

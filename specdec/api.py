@@ -58,6 +58,11 @@ class LLM:
             groups (`specdec.cluster.ClusterConfig`); the step loop stays here.
         distributed_executor_backend: "ray" = the same with a default ClusterConfig
             (one host per group) when `cluster` is None.
+        tensor_parallel_size: shard the target over the first n local devices (heads,
+            FFN columns / rows and the vocabulary split n ways; XLA inserts the
+            collectives). The megakernel runs on one device, so n > 1 takes the XLA
+            path; `kernel="megakernel"` with n > 1 is refused. On Ray the target's
+            group size (`GroupConfig.num_devices`) plays this part.
         compile_at_start: compile, before returning, every program a request of up
             to `max_model_len` tokens can run (`LLMEngine.compile_shapes`, behind a
             progress bar), so no request waits on a compile mid-run; programs are
@@ -80,11 +85,22 @@ class LLM:
         cluster: ClusterConfig | None = None,
         distributed_executor_backend: Literal["ray"] | None = None,
         compile_at_start: bool = False,
+        tensor_parallel_size: int = 1,
     ):
         if dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}.")
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}.")
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}."
+            )
+        local = jax.local_devices()
+        if tensor_parallel_size > len(local):
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} needs that many local devices; "
+                f"JAX sees {len(local)} ({local[0].platform})."
+            )
         folder = Path(model)
         if not folder.exists():
             raise ValueError(f"Model path {str(model)!r} does not exist.")
@@ -94,6 +110,11 @@ class LLM:
                 f"{distributed_executor_backend!r}."
             )
         remote = cluster is not None or distributed_executor_backend == "ray"
+        if remote and tensor_parallel_size > 1:
+            raise ValueError(
+                "tensor_parallel_size shards an in-process target; on Ray the target group's "
+                "GroupConfig(num_devices=...) sets how many devices it is sharded over."
+            )
         self.model_path = folder
         self.generation_defaults = generation_defaults(folder)  # checked before any loading
         if isinstance(speculative_config, Mapping):
@@ -153,10 +174,15 @@ class LLM:
                     speculative_config, plan=self.plan, target_path=folder,
                     target_config=self.config, num_slots=max_num_seqs, max_model_len=max_model_len,
                 )  # fmt: skip
+            mesh = None
+            if tensor_parallel_size > 1:
+                from specdec.kernels.sharding import make_mesh
+
+                mesh = make_mesh(local[:tensor_parallel_size])
             target = TargetWorker(
                 self.config, params, num_slots=max_num_seqs, max_model_len=max_model_len,
                 max_tree_nodes=drafter.max_nodes if drafter is not None else 0, kernel=kernel,
-                plan=self.plan,
+                plan=self.plan, mesh=mesh,
             )  # fmt: skip
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         self.last_generate_metrics: dict = {}

@@ -24,12 +24,13 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from specdec.checkpoint import load_model
 from specdec.draft.base import DraftBatch, Drafter
 from specdec.draft.model import ModelDrafter
 from specdec.draft.ngram import NgramDrafter
-from specdec.kernels import dot_library, transformer
+from specdec.kernels import dot_library, sharding, transformer
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.megakernel.reference import decide, tree_block
 from specdec.kernels.runner import ModelRunner
@@ -227,19 +228,28 @@ def truncate(tree: DraftBatch, width: int) -> DraftBatch:
 KernelName = Literal["auto", "megakernel", "xla"]
 
 
-def resolve_kernel(kernel: str, cfg: ModelConfig) -> str:
-    """The verify backend `kernel` names: "auto" = the megakernel on TPU, XLA elsewhere.
+def resolve_kernel(kernel: str, cfg: ModelConfig, num_devices: int = 1) -> str:
+    """The verify backend `kernel` names: "auto" = the megakernel on one TPU device, XLA
+    elsewhere.
 
-    MoE targets always take XLA under "auto"; asking for the megakernel is an error.
+    MoE targets and targets sharded over several devices take XLA under "auto" (the
+    megakernel is one device's program: GSPMD cannot partition a Mosaic call); asking
+    for the megakernel there is an error, never a silent fallback.
     """
     if kernel not in VERIFY_BACKENDS and kernel != "auto":
         raise ValueError(f"kernel must be 'auto', 'megakernel' or 'xla', got {kernel!r}.")
     if kernel == "auto":
-        return "megakernel" if jax.default_backend() == "tpu" and not cfg.is_moe else "xla"
+        one_tpu = jax.default_backend() == "tpu" and num_devices == 1
+        return "megakernel" if one_tpu and not cfg.is_moe else "xla"
     if kernel == "megakernel" and cfg.is_moe:
         raise ValueError(
             f"kernel='megakernel' covers dense models only; {cfg.architecture.value} with "
             f"{cfg.num_experts} experts needs kernel='xla' (or 'auto')."
+        )
+    if kernel == "megakernel" and num_devices > 1:
+        raise ValueError(
+            f"kernel='megakernel' runs on one device; a target sharded over {num_devices} "
+            "devices needs kernel='xla' (or 'auto'), which XLA partitions over the mesh."
         )
     return kernel
 
@@ -298,6 +308,7 @@ class TargetWorker:
         prefill_chunk: int = 512,
         kernel: KernelName = "auto",
         plan: Plan | None = None,  # None = made here (`plan.make_plan`)
+        mesh: Mesh | None = None,  # shard the target over it (tensor parallel); None = one
     ):
         self.cfg = cfg
         self.max_tree_nodes = max_tree_nodes
@@ -306,7 +317,7 @@ class TargetWorker:
             plan = make_plan(cfg, dtype=dtype, spec=None, num_slots=num_slots,
                              max_tree_nodes=max_tree_nodes)  # fmt: skip
         self.plan = plan
-        self.kernel = resolve_kernel(kernel, cfg)
+        self.kernel = resolve_kernel(kernel, cfg, 1 if mesh is None else mesh.size)
         self._verify = VERIFY_BACKENDS[self.kernel]
         self.runner = ModelRunner(
             cfg,
@@ -317,6 +328,8 @@ class TargetWorker:
             stacked=self.kernel == "megakernel",  # the kernel streams [L, ...] weights
             one_row=num_slots == 1,  # then every plain decode step is one row
         )
+        if mesh is not None and mesh.size > 1:
+            sharding.shard_runner(self.runner, mesh)  # GSPMD partitions every step
         # Host trees' verify width; None = always the narrowest that holds every node
         # (what a benchmark of the verify cost per tree size needs).
         self.widths: WidthChooser | None = WidthChooser(plan.width_cost)

@@ -92,6 +92,20 @@ CHILD = textwrap.dedent(
         spec = runner.cache.k.sharding.spec
         print(kv, "cache", spec, "wq", jax.tree.leaves(runner.params)[0].sharding.spec)
         assert (spec == sharding.cache_spec(llm.config, 4)), spec
+        # The same through the API: LLM(tensor_parallel_size=4) shards it at start.
+        tp = LLM(d, max_model_len=64, max_num_seqs=seqs, tensor_parallel_size=4)
+        assert tp.engine.target.runner.cache.k.sharding.spec == spec
+        out = [o.outputs[0].token_ids for o in tp.generate(some, greedy, use_tqdm=False)]
+        assert out == ref, ("tensor_parallel_size", kv, seqs)
+    for bad, why in (({{"tensor_parallel_size": 8}}, "needs that many local devices; JAX sees 4"),
+                     ({{"tensor_parallel_size": 2, "kernel": "megakernel"}},
+                      "runs on one device; a target sharded over 2 devices needs kernel='xla'")):
+        try:
+            LLM(d, max_model_len=64, **bad)
+        except ValueError as e:
+            assert why in str(e), e
+        else:
+            raise AssertionError(f"{{bad}} was accepted")
     print("OK")
     """
 )
