@@ -55,19 +55,33 @@ class _EngineActor:
         return {"result": np.array(out, dtype=object)}
 
 
+@dataclasses.dataclass(frozen=True)
+class RayBatch:
+    """How the rows spread over Ray Data."""
+
+    num_engines: int = 1  # engines (actors) in the pool, one `LLM` each
+    batch_size: int = 16  # rows handed to an engine at a time
+    address: str | None = None  # the cluster to join; None = Ray's default
+
+    def __post_init__(self):
+        for name in ("num_engines", "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
 def generate_file_ray(
-    llm_kwargs: dict,
-    input_path: Path,
-    output_path: Path,
-    defaults: SamplingParams,
-    *,
-    num_engines: int = 1,
-    batch_size: int = 16,
-    progress: bool = True,
-    address: str | None = None,
-) -> BatchResult:
-    """The Ray Data path: rows over an actor pool of `num_engines` engines."""
+    llm_kwargs: dict, input_path: Path, output_path: Path, defaults: SamplingParams,
+    ray_batch: RayBatch = RayBatch(), progress: bool = True,
+) -> BatchResult:  # fmt: skip
+    """The Ray Data path: rows over an actor pool of `ray_batch.num_engines` engines."""
     import ray
+
+    num_engines, batch_size, address = (
+        ray_batch.num_engines,
+        ray_batch.batch_size,
+        ray_batch.address,
+    )
 
     env = {k: os.environ[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS") if k in os.environ}
     runtime_env = {"env_vars": env} if env else None

@@ -99,18 +99,10 @@ def cmd_batch(args) -> int:
     kwargs = batch.llm_kwargs(args)
     progress = not args.no_progress
     if args.ray:
-        from specdec.cluster.batch import generate_file_ray  # Ray only when asked
+        from specdec.cluster.batch import RayBatch, generate_file_ray  # Ray only when asked
 
-        result = generate_file_ray(
-            kwargs,
-            args.input,
-            args.output,
-            defaults,
-            num_engines=args.num_engines,
-            batch_size=args.ray_batch_size,
-            progress=progress,
-            address=args.ray_address,
-        )
+        ray_batch = RayBatch(args.num_engines, args.ray_batch_size, args.ray_address)
+        result = generate_file_ray(kwargs, args.input, args.output, defaults, ray_batch, progress)
     else:
         from specdec.api import LLM
 

@@ -79,66 +79,42 @@ INC = "4f1c0a9e" * 4
 ACTIVE = np.array([True, True, False, True])
 ROOTS = np.array([5, 6, 0, 7], np.int32)
 
+
+def _msg(kind: str, **fields) -> tuple[str, bytes]:
+    return kind, m.pack(kind, ROUND, **fields)
+
+
 VALID: dict[str, tuple[str, bytes]] = {  # name -> (kind, bytes)
-    "prefill": (
+    "prefill": _msg(
         "prefill",
-        m.pack(
-            "prefill",
-            ROUND,
-            incarnation=[INC],
-            slots=np.array([1, 3], np.int32),
-            prompts=[[5, 6, 7], [8]],
-            reserve=[10, 12],
-            **_sampling(2),
-        ),
+        incarnation=[INC],
+        slots=np.array([1, 3], np.int32),
+        prompts=[[5, 6, 7], [8]],
+        reserve=[10, 12],
+        **_sampling(2),
     ),
-    "prefill_penalized": (
+    "prefill_penalized": _msg(
         "prefill",
-        m.pack(
-            "prefill",
-            ROUND,
-            incarnation=INC,
-            slots=np.array([2, 0], np.int32),
-            prompts=[[5], [8, 9]],
-            **_sampling(2, True),
-        ),
+        incarnation=INC,
+        slots=np.array([2, 0], np.int32),
+        prompts=[[5], [8, 9]],
+        **_sampling(2, True),
     ),
     "roots": ("roots", m.pack("roots", ROUND, roots=np.array([4, 5, 6], np.int32))),
-    "restore": (
-        "restore",
-        m.pack(
-            "restore",
-            ROUND,
-            incarnation=[INC, INC],
-            slots=[0, 2],
-            histories=[[1, 2, 3], [4]],
-            reserve=[5, 6],
-        ),
+    "restore": _msg(
+        "restore", incarnation=[INC, INC], slots=[0, 2], histories=[[1, 2, 3], [4]], reserve=[5, 6]
     ),
-    "verify": (
+    "verify": _msg(
         "verify",
-        m.pack(
-            "verify",
-            ROUND,
-            incarnation=INC,
-            roots=ROOTS,
-            active=ACTIVE,
-            tree=m.pack_tree(ROUND, *_draft_batch(), {}),
-            **_sampling(SLOTS),
-        ),
+        incarnation=INC,
+        roots=ROOTS,
+        active=ACTIVE,
+        tree=m.pack_tree(ROUND, *_draft_batch(), {}),
+        **_sampling(SLOTS),
     ),
     "verdict": ("verdict", _verdict()),
-    "start": (
-        "start",
-        m.pack(
-            "start",
-            ROUND,
-            incarnation=INC,
-            slots=[3, 1],
-            prompts=[[1], [2, 3]],
-            roots=[4, 5],
-            reserve=[1, 2],
-        ),
+    "start": _msg(
+        "start", incarnation=INC, slots=[3, 1], prompts=[[1], [2, 3]], roots=[4, 5], reserve=[1, 2]
     ),
     "propose": (
         "propose",
@@ -458,12 +434,6 @@ def key_mutations(draw) -> tuple[str, bytes, tuple[str, ...]]:
     return name, packed(msg), (key,)
 
 
-@fuzz(1000)
-@given(key_mutations())
-def test_fuzz_missing_renamed_and_unknown_keys(case):
-    check(*case)
-
-
 @st.composite
 def value_mutations(draw) -> tuple[str, bytes, tuple[str, ...]]:
     """One field given a value of the wrong type (bool for int too) or out of range."""
@@ -474,12 +444,6 @@ def value_mutations(draw) -> tuple[str, bytes, tuple[str, ...]]:
     return name, packed(msg), (field,)
 
 
-@fuzz(1500)
-@given(value_mutations())
-def test_fuzz_wrong_types_and_ranges(case):
-    check(*case)
-
-
 @st.composite
 def array_mutations(draw) -> tuple[str, bytes, tuple[str, ...]]:
     """One array map given a wrong dtype, shape, data or size."""
@@ -488,12 +452,6 @@ def array_mutations(draw) -> tuple[str, bytes, tuple[str, ...]]:
     field = draw(st.sampled_from(sorted(f for f, r in TYPES[name].items() if r == "array")))
     msg[field] = draw(bad_array(name, field))
     return name, packed(msg), (field,)
-
-
-@fuzz(1000)
-@given(array_mutations())
-def test_fuzz_array_dtypes_shapes_and_sizes(case):
-    check(*case)
 
 
 def _resized(value, grow: bool):
@@ -552,12 +510,6 @@ def size_and_slot_mutations(draw) -> tuple[str, bytes, tuple[str, ...]]:
     return name, packed(msg), group
 
 
-@fuzz(700)
-@given(size_and_slot_mutations())
-def test_fuzz_sizes_and_slots(case):
-    check(*case)
-
-
 @st.composite
 def tree_row_mutations(draw) -> tuple[str, bytes, tuple[str, ...]]:
     """The rows of a tree message: slots and their TokenTree bytes."""
@@ -596,12 +548,6 @@ def tree_row_mutations(draw) -> tuple[str, bytes, tuple[str, ...]]:
     return name, packed(msg), (f"rows[{i}][1]",)
 
 
-@fuzz(600)
-@given(tree_row_mutations())
-def test_fuzz_tree_rows(case):
-    check(*case)
-
-
 @st.composite
 def raw_mutations(draw) -> tuple[str, bytes, tuple[str, ...]]:
     """Truncated bytes, and fields (or array map entries) nested deeply."""
@@ -621,12 +567,6 @@ def raw_mutations(draw) -> tuple[str, bytes, tuple[str, ...]]:
         value = deep(depth)
     # Deeper than msgpack's stack (1024) fails to parse at all; shallower, the field's check.
     return name, pack_raw([*items, (field, value)]), (field, "msgpack")
-
-
-@fuzz(800)
-@given(raw_mutations())
-def test_fuzz_truncated_and_deeply_nested(case):
-    check(*case)
 
 
 # ----------------------------------------------------------------------------- valid ones
@@ -781,3 +721,26 @@ def test_sizes_must_agree():
     msg["sampling_seed"] = m.encode_array(np.zeros(3, np.uint32))
     with pytest.raises(m.MessageError, match=r"'sampling_seed' must have shape \[2\]"):
         m.unpack(packed(msg), "prefill")
+
+
+# How many malformed messages of each kind the fuzz draws: 5,600 in all.
+FUZZ = {
+    "missing_renamed_and_unknown_keys": (key_mutations, 1000),
+    "wrong_types_and_ranges": (value_mutations, 1500),
+    "array_dtypes_shapes_and_sizes": (array_mutations, 1000),
+    "sizes_and_slots": (size_and_slot_mutations, 700),
+    "tree_rows": (tree_row_mutations, 600),
+    "truncated_and_deeply_nested": (raw_mutations, 800),
+}
+
+
+@pytest.mark.parametrize("kind", list(FUZZ))
+def test_fuzz(kind):
+    strategy, examples = FUZZ[kind]
+
+    @fuzz(examples)
+    @given(strategy())
+    def run(case):
+        check(*case)
+
+    run()
