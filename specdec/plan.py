@@ -140,7 +140,7 @@ def verify_costs(
     if sizing.weight_bytes(cfg, dtype) < sizing.LIBRARY_MIN_BYTES:
         return tuple((r, "default") for r in rows), ()  # nothing a step waits on: no timing
     costs = sizing.cached_costs(cfg, dtype, rows)
-    libraries = tuple((r, min(costs, key=lambda name, r=r: costs[name][r])) for r in rows)
+    libraries = tuple((r, sizing.faster_library(costs, r)) for r in rows)
     best = sizing.fastest(costs)
     base = best[num_slots]
     width_costs = tuple((w, best[num_slots * (w + 1)] / base) for w in widths if w > 0)

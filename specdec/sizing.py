@@ -129,6 +129,11 @@ def product_costs(
     return out
 
 
+def faster_library(costs: dict[str, dict[int, float]], rows: int) -> str:
+    """The library in `product_costs`' table whose products took least time at `rows`."""
+    return min(costs, key=lambda name: costs[name][rows])
+
+
 def fastest(costs: dict[str, dict[int, float]]) -> dict[int, float]:
     """Per row count, the seconds of the faster library in `product_costs`' table."""
     return {m: min(c[m] for c in costs.values()) for m in next(iter(costs.values()))}
@@ -150,7 +155,7 @@ def plan_from_costs(costs: dict[str, dict[int, float]], batch: int = 1) -> TreeP
             continue
         floor = cost[n] = max(floor, best[rows] / base)
         score[n] = prior / cost[n]
-        library[n] = min(costs, key=lambda name: costs[name][rows])
+        library[n] = faster_library(costs, rows)
     pick = max((c for c in CANDIDATES if c[0] in score), key=lambda c: score[c[0]])
     return TreePlan(num_nodes=pick[0], max_depth=pick[1], topk=pick[2], cost=cost, score=score,
                     library=library, batch=batch)  # fmt: skip
@@ -242,8 +247,7 @@ def best_library(cfg: ModelConfig, dtype, rows: int) -> str:
     """The dot library with the faster weight products at `rows` rows (timed once)."""
     if len(libraries(cfg, dtype)) == 1:
         return "default"
-    costs = cached_costs(cfg, dtype, [rows])
-    return min(costs, key=lambda name: costs[name][rows])
+    return faster_library(cached_costs(cfg, dtype, [rows]), rows)
 
 
 def describe(plan: TreePlan) -> str:
@@ -256,6 +260,6 @@ def describe(plan: TreePlan) -> str:
 
 __all__ = [
     "CANDIDATES", "LIBRARY_MIN_BYTES", "TreePlan", "best_library", "cached_costs", "cached_plan",
-    "describe", "faster_dtype", "fastest", "libraries", "plan_from_costs", "plan_tree",
-    "product_costs", "weight_bytes", "weight_shapes",
+    "describe", "faster_dtype", "faster_library", "fastest", "libraries", "plan_from_costs",
+    "plan_tree", "product_costs", "weight_bytes", "weight_shapes",
 ]  # fmt: skip

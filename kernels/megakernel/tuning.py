@@ -43,8 +43,8 @@ class Chip:
 
 
 GIB = 1024 * MIB
-# Published figures: TPU7x (Ironwood) 192 GB HBM at 7.37 TB/s per chip, two
-# TensorCores; v6e (Trillium) 32 GB at 1.64 TB/s; v5e 16 GB at 819 GB/s.
+# Each chip's published VMEM, HBM bandwidth, TensorCores and HBM capacity (the
+# vendor's specification sheets, not measurements).
 CHIPS = {
     "tpu7x": Chip("tpu7x", 64 * MIB, 7.37e12, 2, 192 * GIB),
     "v6e": Chip("v6e", 128 * MIB, 1.64e12, 1, 32 * GIB),
