@@ -166,8 +166,11 @@ class LLM:
             self.dtype = target.info.get("dtype", self.dtype)
         else:
             # Every timing-dependent choice, made once here (specdec/plan.py).
+            model_drafter = speculative_config is not None and (
+                speculative_config.method == "draft_model"
+            )  # its trees stay on the device: verified at full width only
             self.plan = make_plan(self.config, dtype=self.dtype, spec=speculative_config,
-                                  num_slots=max_num_seqs)  # fmt: skip
+                                  num_slots=max_num_seqs, host_trees=not model_drafter)  # fmt: skip
             drafter = None
             if speculative_config is not None:
                 drafter = build_drafter(

@@ -51,7 +51,6 @@ from specdec.outputs import (
     SpecDecodeMetrics,
 )
 from specdec.params import SamplingParams
-from specdec.plan import verify_widths
 from specdec.tokenizer import IncrementalDetokenizer, Tokenizer
 from specdec.verify.batch import SamplingBatch
 from specdec.workers import TargetWorker
@@ -199,21 +198,15 @@ class LLMEngine:
         from tqdm.auto import tqdm
 
         r, s = target.runner, self.max_num_seqs
-        plain = SamplingBatch.make_dummy(s)
-        variants = [plain]
-        if self.vocab_size is not None:
-            variants.append(dataclasses.replace(
-                plain, repetition_penalty=np.ones(s, np.float32),
-                seen=np.zeros((s, self.vocab_size), bool),
-            ))  # fmt: skip
-        first = [_rows(v, 1) for v in variants]
+        variants = [SamplingBatch.make_dummy(s)]
+        if self.vocab_size is not None:  # the penalised form is another program
+            variants.append(SamplingBatch.make_dummy(s, self.vocab_size))
+        first = [v.take(1) for v in variants]
         lengths = r.prefill_shapes(self.max_model_len - 1)
         runners = [r] + ([drafter.runner] if isinstance(drafter, ModelDrafter) else [])
         kv_lens = sorted({kv_bucket(x, q.max_len) for q in runners for x in range(q.max_len + 1)})
         nodes = drafter.max_nodes if drafter is not None else 0
-        # An in-process model drafter's trees stay on the device at full width; host
-        # trees (n-gram) are verified at the narrowest width that holds them.
-        widths = (nodes,) if isinstance(drafter, ModelDrafter) else verify_widths(nodes)
+        widths = target.plan.widths  # full width for a model drafter's device trees
         total = len(lengths) + len(first) - 1 + len(kv_lens) * len(variants) * len(widths)
         bar = tqdm(total=total, desc="compiling", unit="shape", disable=not progress)
         saved, target.widths = target.widths, None  # verify each width as asked
@@ -226,7 +219,7 @@ class LLMEngine:
             for k in kv_lens:
                 for v in variants:
                     for w in widths:
-                        root = self._dummy_prefill([1], _rows(v, 1))
+                        root = self._dummy_prefill([1], v.take(1))
                         for q in runners:
                             q.reserved[0] = k  # the step reads k positions (`kv_len`)
                         active = np.zeros(s, bool)
@@ -422,14 +415,6 @@ class LLMEngine:
         seq.finish_reason, seq.stop_reason, seq.stop_text_end = "stop", s, pos
         seq.metrics.finished_time = time.perf_counter()
         return True
-
-
-def _rows(sampling: SamplingBatch, n: int) -> SamplingBatch:
-    """The first n rows of `sampling`."""
-    return SamplingBatch(**{
-        f.name: None if getattr(sampling, f.name) is None else getattr(sampling, f.name)[:n]
-        for f in dataclasses.fields(sampling)
-    })  # fmt: skip
 
 
 def _dummy_tree(num_slots: int, max_nodes: int, width: int) -> DraftBatch:

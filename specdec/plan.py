@@ -50,6 +50,7 @@ class Plan:
 
     dtype: DTypeName  # the weights' dtype
     tree: TreeShape | None = None  # the drafter's tree; None = plain decoding
+    widths: tuple[int, ...] = (0,)  # tree widths the target verifies (`make_plan`)
     libraries: tuple[tuple[int, str], ...] = ()  # verify rows -> CPU dot library
     width_costs: tuple[tuple[int, float], ...] = ()  # tree width -> verify cost / plain step
     tree_note: str = ""  # how an "auto" tree was sized, for the log
@@ -130,13 +131,12 @@ def tree_shape(
 
 
 def verify_costs(
-    cfg: ModelConfig, dtype: str, *, num_slots: int, max_tree_nodes: int
+    cfg: ModelConfig, dtype: str, *, num_slots: int, widths: tuple[int, ...]
 ) -> tuple[tuple[tuple[int, str], ...], tuple[tuple[int, float], ...]]:
-    """The dot library of every verify row count a target of `num_slots` slots and
-    trees of `max_tree_nodes` nodes may run, and each tree width's cost relative
-    to a plain decode step (the faster library's weight products at those rows)."""
-    widths = verify_widths(max_tree_nodes)
-    rows = sorted({num_slots * (w + 1) for w in widths})
+    """The dot library of every verify row count a target of `num_slots` slots runs at
+    tree `widths`, and each width's cost relative to a plain decode step (the faster
+    library's weight products at those rows)."""
+    rows = sorted({num_slots * (w + 1) for w in (0, *widths)})
     if sizing.weight_bytes(cfg, dtype) < sizing.LIBRARY_MIN_BYTES:
         return tuple((r, "default") for r in rows), ()  # nothing a step waits on: no timing
     costs = sizing.cached_costs(cfg, dtype, rows)
@@ -155,17 +155,24 @@ def make_plan(
     num_slots: int,
     tree: TreeShape | None = None,
     max_tree_nodes: int | None = None,
+    host_trees: bool = True,
 ) -> Plan:
     """The plan for a target of `cfg` in `dtype` over `num_slots` slots: the tree
     (`tree_shape`, unless given) and the verify costs for its node count
-    (`max_tree_nodes` overrides it: a remote target verifies what its drafter sends)."""
+    (`max_tree_nodes` overrides it: a remote target verifies what its drafter sends).
+
+    Host trees (n-gram, or sent over the wire) are verified at any `verify_widths`
+    width that holds them (`workers.narrowest`); an in-process model drafter's
+    trees stay on the device at full width (`host_trees=False`): only that width
+    is timed, and compiled ahead (`LLMEngine.compile_shapes`)."""
     note = ""
     if tree is None:
         tree, note = tree_shape(spec, cfg, dtype, num_slots)
     nodes = max_tree_nodes if max_tree_nodes is not None else (tree.num_nodes if tree else 0)
-    libraries, width_costs = verify_costs(cfg, dtype, num_slots=num_slots, max_tree_nodes=nodes)
-    plan = Plan(dtype=dtype, tree=tree, libraries=libraries, width_costs=width_costs,
-                tree_note=note)  # fmt: skip
+    widths = verify_widths(nodes) if host_trees else (nodes,)
+    libraries, width_costs = verify_costs(cfg, dtype, num_slots=num_slots, widths=widths)
+    plan = Plan(dtype=dtype, tree=tree, widths=widths, libraries=libraries,
+                width_costs=width_costs, tree_note=note)  # fmt: skip
     logger.info("plan: %s", describe(plan))
     return plan
 

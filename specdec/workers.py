@@ -15,7 +15,6 @@ by `1 + num_accepted`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -108,20 +107,6 @@ def commit_path(
     root = jnp.zeros((accepted_nodes.shape[0], 1), accepted_nodes.dtype)  # N may be 0
     keep = jnp.concatenate([root, jnp.maximum(accepted_nodes + 1, 0)], axis=1)
     return transformer.write_kv(cache, ks, vs, slots, cache_lens, keep)
-
-
-def pad_rows(sampling: SamplingBatch, rows: int) -> SamplingBatch:
-    """`sampling` with greedy, seed-0 rows appended up to `rows` rows."""
-    b = sampling.temperature.shape[0]
-    if b == rows:
-        return sampling
-    pad = SamplingBatch.make_dummy(rows - b)
-    if sampling.seen is not None:
-        pad = dataclasses.replace(
-            pad, repetition_penalty=np.ones(rows - b, np.float32),
-            seen=np.zeros((rows - b, sampling.seen.shape[1]), bool),
-        )  # fmt: skip
-    return jax.tree.map(lambda a, p: np.concatenate([np.asarray(a), p]), sampling, pad)
 
 
 @functools.partial(jax.jit)
@@ -350,7 +335,7 @@ class TargetWorker:
         b, s = len(prompts), self.runner.num_slots
         logits = self.runner.prefill(slots, prompts)
         logits = np.concatenate([logits, np.zeros((s - b, logits.shape[1]), logits.dtype)])
-        return np.asarray(sample_first(logits, pad_rows(sampling, s)))[:b]
+        return np.asarray(sample_first(logits, sampling.padded(s)))[:b]
 
     def verify(
         self,

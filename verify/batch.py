@@ -30,9 +30,10 @@ class SamplingBatch:
     seen: jax.Array | None = None  # bool[B, V]: tokens in each row's prompt + output
 
     @classmethod
-    def make_dummy(cls, batch: int) -> SamplingBatch:
-        """Greedy rows, seed 0: for tests and padding."""
-        return cls(
+    def make_dummy(cls, batch: int, vocab_size: int | None = None) -> SamplingBatch:
+        """Greedy rows, seed 0: for tests and padding. With `vocab_size`, in the
+        penalised form (penalty 1, nothing seen): the same numbers, the other pytree."""
+        dummy = cls(
             temperature=np.zeros(batch, np.float32),
             top_k=np.zeros(batch, np.int32),
             top_p=np.ones(batch, np.float32),
@@ -40,6 +41,24 @@ class SamplingBatch:
             seed=np.zeros(batch, np.uint32),
             counter=np.zeros(batch, np.int32),
         )
+        if vocab_size is None:
+            return dummy
+        return dataclasses.replace(
+            dummy, repetition_penalty=np.ones(batch, np.float32),
+            seen=np.zeros((batch, vocab_size), bool),
+        )  # fmt: skip
+
+    def take(self, n: int) -> SamplingBatch:
+        """The first n rows."""
+        return jax.tree.map(lambda a: a[:n], self)
+
+    def padded(self, rows: int) -> SamplingBatch:
+        """These rows, then greedy seed-0 rows (`make_dummy`) up to `rows` rows."""
+        b = self.temperature.shape[0]
+        if b == rows:
+            return self
+        pad = SamplingBatch.make_dummy(rows - b, None if self.seen is None else self.seen.shape[1])
+        return jax.tree.map(lambda a, p: np.concatenate([np.asarray(a), p]), self, pad)
 
     def penalize(
         self,
