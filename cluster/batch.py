@@ -77,12 +77,6 @@ def generate_file_ray(
     """The Ray Data path: rows over an actor pool of `ray_batch.num_engines` engines."""
     import ray
 
-    num_engines, batch_size, address = (
-        ray_batch.num_engines,
-        ray_batch.batch_size,
-        ray_batch.address,
-    )
-
     env = {k: os.environ[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS") if k in os.environ}
     runtime_env = {"env_vars": env} if env else None
 
@@ -90,7 +84,7 @@ def generate_file_ray(
         if not good:
             return
         if not ray.is_initialized():
-            ray.init(address=address, runtime_env=runtime_env)
+            ray.init(address=ray_batch.address, runtime_env=runtime_env)
         items = [
             {
                 "line": r.line,
@@ -104,9 +98,9 @@ def generate_file_ray(
         ds = ray.data.from_items(items).map_batches(
             _EngineActor,
             fn_constructor_kwargs={"llm_kwargs": llm_kwargs},
-            batch_size=batch_size,
+            batch_size=ray_batch.batch_size,
             runtime_env=runtime_env,
-            **_pool(ray.data, num_engines),
+            **_pool(ray.data, ray_batch.num_engines),
         )
         for batch in ds.iter_batches(batch_size=None):
             for blob in batch["result"]:

@@ -86,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     llm = None
     try:
         from specdec import batch
-        from specdec.flags import sampling_from_args
+        from specdec.flags import llm_kwargs, sampling_from_args
 
-        kwargs = batch.llm_kwargs(args)  # checks the model folder before any Ray work
+        kwargs = llm_kwargs(args)  # checks the model folder before any Ray work
         if not args.input.is_file():
             raise ValueError(f"Input file {str(args.input)!r} does not exist.")
         defaults = sampling_from_args(args)

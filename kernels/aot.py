@@ -135,9 +135,9 @@ def resident_bytes(cfg: ModelConfig, dtype, *, batch: int, max_len: int) -> tupl
     return weights, kv_read_bytes(cfg, dtype, batch=batch, context=max_len)
 
 
-def check_device_memory(cfg, chip, dtype, *, batch: int, max_len: int, name: str = "") -> None:
-    """Refuses, before any compiling, a target whose weights and K/V cache exceed one
-    device's HBM (ValueError with both numbers)."""
+def check_device_memory(cfg, chip, dtype, *, batch: int, max_len: int, name: str = "") -> int:
+    """The HBM bytes one device holds (weights + K/V cache); refuses, before any
+    compiling, a target whose bytes exceed the device's HBM (ValueError with both)."""
     weights, kv = resident_bytes(cfg, dtype, batch=batch, max_len=max_len)
     cap = chip.hbm_bytes_per_device
     if weights + kv > cap:
@@ -149,6 +149,7 @@ def check_device_memory(cfg, chip, dtype, *, batch: int, max_len: int, name: str
             f"{cap / gib:.0f} GiB of HBM one {chip.name} device has; it needs a target "
             "sharded over several devices."
         )
+    return weights + kv
 
 
 def compile_verify(
@@ -191,7 +192,8 @@ def compile_verify(
     max_len = tuning.round_up(
         max(context + tree_nodes + 1, tuning.kv_write_rows(tree_nodes, wdtype)), 128
     )
-    check_device_memory(cfg, chip, wdtype, batch=batch, max_len=max_len, name=config_name)
+    resident = check_device_memory(cfg, chip, wdtype, batch=batch, max_len=max_len,
+                                   name=config_name)  # fmt: skip
     limit = chip.vmem_bytes - tuning.VMEM_HEADROOM
     if block_sizes is None:  # the engine's own choice on this chip (`kernel.verify`)
         block_sizes = tuning.step_block_sizes(
@@ -267,7 +269,7 @@ def compile_verify(
         hbm_bytes_per_s=chip.hbm_bytes_per_s, cores_per_chip=chip.cores_per_chip,
         steps_per_s=steps, acceptance_length=acceptance_length,
         tokens_per_s=steps * acceptance_length * batch,
-        resident_bytes=sum(resident_bytes(cfg, wdtype, batch=batch, max_len=max_len)),
+        resident_bytes=resident,
         hbm_capacity_bytes=chip.hbm_bytes_per_device,
     )  # fmt: skip
 

@@ -301,13 +301,10 @@ class LLM:
         Text that could still turn out to be the start of a stop string is held
         back until it cannot; the deltas concatenate to the final `text`.
         """
-        params = broadcast_params(sampling_params, 1, self.get_default_sampling_params())[0]
         if self.tokenizer is None:
             raise ValueError(f"{self.model_path} has no tokenizer.json; streaming text needs one.")
-        text, ids = self._prompt_ids(prompt, 0)
-        with self._lock:
-            seq = self.engine.add_request(f"{next(_counter)}", text, ids, params)
-        hold = max((len(x) for x in params.stop or ()), default=1) - 1
+        seq = self._enqueue(prompt, sampling_params)
+        hold = max((len(x) for x in seq.params.stop or ()), default=1) - 1
         sent = 0
         while not seq.finished:
             self._step_until_finished([seq])
@@ -332,16 +329,24 @@ class LLM:
         The prompt is checked here (ValueError naming the problem). Requests added
         this way join the running batch of every other caller of this `LLM`.
         """
+        return self._enqueue(prompt, sampling_params, request_id, report=True).request_id
+
+    def _enqueue(self, prompt, sampling_params, request_id=None, *, report: bool = False):
+        """Checks one prompt and its sampling parameters (outside the lock: other
+        callers keep stepping) and queues it on the engine; with `report`, `step`
+        reports it (`add_request`)."""
         params = broadcast_params(sampling_params, 1, self.get_default_sampling_params())[0]
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer; this model folder has none.")
         text, ids = self._prompt_ids(prompt, 0)
         with self._lock:
             rid = f"{next(_counter)}" if request_id is None else str(request_id)
-            if rid in self._requests:
+            if report and rid in self._requests:
                 raise ValueError(f"request_id {rid!r} is already running; ids must be unique.")
-            self._requests[rid] = (self.engine.add_request(rid, text, ids, params), -1)
-        return rid
+            seq = self.engine.add_request(rid, text, ids, params)
+            if report:
+                self._requests[rid] = (seq, -1)
+            return seq
 
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns the output so far of every request added with

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from specdec.flags import add_model_arguments, add_sampling_arguments, speculative_from_args
+from specdec.flags import add_model_arguments, add_sampling_arguments
 from specdec.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -390,18 +390,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ray-batch-size", type=int, default=16, help="--ray: rows per batch")
     g.add_argument("--ray-address", default=None, help="--ray: cluster to join (default: auto)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def llm_kwargs(args) -> dict:
-    """LLM(...) keyword arguments from the model flags (ValueError on a missing folder)."""
-    if not Path(args.model).exists():
-        raise ValueError(f"Model folder {args.model!r} does not exist.")
-    return {
-        "model": str(args.model),
-        "dtype": args.dtype,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "speculative_config": speculative_from_args(args),
-        "kernel": args.kernel,
-        "compile_at_start": args.compile_at_start,
-    }

@@ -21,6 +21,7 @@ from specdec.flags import (
     add_model_arguments,
     add_sampling_arguments,
     build_llm,
+    llm_kwargs,
     sampling_from_args,
 )
 
@@ -96,7 +97,7 @@ def cmd_batch(args) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     defaults = sampling_from_args(args)
-    kwargs = batch.llm_kwargs(args)
+    kwargs = llm_kwargs(args)
     progress = not args.no_progress
     if args.ray:
         from specdec.cluster.batch import RayBatch, generate_file_ray  # Ray only when asked

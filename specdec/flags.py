@@ -140,17 +140,26 @@ def speculative_from_args(args) -> dict | None:
     return spec
 
 
-def build_llm(args):
-    from specdec.api import LLM
-
+def llm_kwargs(args) -> dict:
+    """LLM(...) keyword arguments from the model flags (ValueError on a missing folder)."""
     if not Path(args.model).exists():
         raise ValueError(
             f"Model folder {args.model!r} does not exist"
             + (" (the bundled demo pair is missing from this install)." if DEMO_DIR.name in
                args.model else ".")
         )  # fmt: skip
-    return LLM(
-        args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, speculative_config=speculative_from_args(args),
-        kernel=args.kernel, compile_at_start=args.compile_at_start,
-    )  # fmt: skip
+    return {
+        "model": str(args.model),
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "speculative_config": speculative_from_args(args),
+        "kernel": args.kernel,
+        "compile_at_start": args.compile_at_start,
+    }
+
+
+def build_llm(args):
+    from specdec.api import LLM
+
+    return LLM(**llm_kwargs(args))

@@ -152,9 +152,8 @@ class WidthChooser:
 
     `narrowest` keeps every node; at 8 sequences that can cost more than it wins,
     since one row with a match keeps the whole batch at full width. This picks,
-    among the
-    widths no wider than `narrowest`'s, the one with the most expected tokens per
-    unit of cost,
+    among the widths no wider than `narrowest`'s, the one with the most expected
+    tokens per unit of cost,
 
         (active rows + rate * nodes kept) / cost(width),
 
@@ -356,12 +355,9 @@ class TargetWorker:
         if host and tree.tokens.shape[1] > 0:
             tree = truncate(tree, self.widths.choose(tree.parents, active))
         slots = np.where(active, np.arange(r.num_slots, dtype=np.int32), -1).astype(np.int32)
-        # Penalised rows too: `reference.decide` redoes the kernel's greedy walk on the
-        # penalised logits, so the forward stays in the kernel.
-        verify = self._verify
         library = self.plan.library(r.num_slots * (tree.tokens.shape[1] + 1))
-        emitted, num, accepted = verify(r, self.cfg, roots, tree, slots, active, sampling,
-                                        library)  # fmt: skip
+        emitted, num, accepted = self._verify(r, self.cfg, roots, tree, slots, active, sampling,
+                                              library)  # fmt: skip
         emitted, num, accepted = np.asarray(emitted), np.asarray(num), np.asarray(accepted)
         r.cache_lens[active] += 1 + num[active]
         if host:
