@@ -70,10 +70,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from specdec.kernels import transformer
 from specdec.kernels.config import ModelConfig
-from specdec.kernels.megakernel import tuning
+from specdec.kernels.megakernel import collectives, shard, tuning
+from specdec.kernels.megakernel.collectives import AXIS
 from specdec.kernels.megakernel.reference import VerifyResult, decide, tree_block
 from specdec.kernels.megakernel.tuning import BlockSizes
 from specdec.kernels.transformer import KVCache, Params
@@ -90,7 +93,7 @@ _BIG = 2**30  # larger than any token id
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "child_sampling", "block_sizes", "interpret"),
+    static_argnames=("cfg", "child_sampling", "block_sizes", "interpret", "mesh"),
     donate_argnames=("cache",),
 )
 def verify(
@@ -109,20 +112,29 @@ def verify(
     child_sampling: ChildSampling,
     block_sizes: BlockSizes | None = None,  # None = tuning.step_block_sizes for this chip
     interpret: bool | pltpu.InterpretParams = False,  # True / InterpretParams: run on CPU
+    mesh: Mesh | None = None,  # split over its one axis "tp" (module docstring); None = one device
 ) -> VerifyResult:
     """`reference.verify` as one Pallas kernel (module docstring)."""
-    _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, uniforms, cfg)
+    tp = _mesh_size(mesh)
+    shard.check_shardable(cfg, tp, tpu=not interpret)
+    _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, uniforms, cfg, tp)
     b, n = tokens.shape
     wdtype = params["layers"]["wq"].dtype
+    width = shard.padded_vocab(cfg.vocab_size, tp)
+    if shard.head_width(cfg, params) < width:  # `shard.prepare_params` pads once instead
+        params = shard.pad_head(cfg, params, width)
+    local = shard.local_config(cfg, tp, shard.head_width(cfg, params))
     if block_sizes is None:  # what `specdec aot` compiles for the same chip
         block_sizes = tuning.step_block_sizes(
-            cfg, tuning.chip_for_device(jax.devices()[0]), batch=b, num_nodes=n,
-            weight_dtype=wdtype, cache_dtype=cache.k.dtype, max_len=cache.max_len,
+            local, tuning.chip_for_device(_devices(mesh)[0]), batch=b, num_nodes=n,
+            weight_dtype=wdtype, cache_dtype=cache.k.dtype, max_len=cache.max_len, tp=tp,
         )  # fmt: skip
-    block_sizes.validate(cfg, max_len=cache.max_len, tpu=not interpret)
+    block_sizes.validate(local, max_len=cache.max_len, tpu=not interpret)
+    if tp > 1 and interpret is True:  # remote DMAs need the TPU interpreter
+        interpret = pltpu.InterpretParams()
     logits, greedy, cache = _verify_call(
         params, cache, roots, tokens, parents, slots, cache_lens,
-        cfg=cfg, bs=block_sizes, interpret=interpret,
+        cfg=cfg, local=local, bs=block_sizes, interpret=interpret, mesh=mesh,
     )  # fmt: skip
     block, _, mask = tree_block(roots, tokens, parents, cache_lens)
     verdict = decide(
@@ -132,12 +144,28 @@ def verify(
     return VerifyResult(*verdict, logits, cache)
 
 
-def _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, uniforms, cfg):
-    """Trace-time shape and dtype checks (values are the caller's contract)."""
-    if cfg.is_moe:
+def _mesh_size(mesh: Mesh | None) -> int:
+    if mesh is None:
+        return 1
+    if tuple(mesh.axis_names) != (AXIS,):
         raise ValueError(
-            f"The verify megakernel covers dense models only; {cfg.architecture} with "
-            f"{cfg.num_experts} experts must use kernel='xla'."
+            f"The megakernel splits over a one-axis mesh named {AXIS!r} "
+            f"(`kernels.sharding.make_mesh`); got axes {tuple(mesh.axis_names)}."
+        )
+    return mesh.shape[AXIS]
+
+
+def _devices(mesh: Mesh | None) -> list:
+    return jax.devices() if mesh is None else list(mesh.devices.flat)
+
+
+def _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, uniforms, cfg, tp):
+    """Trace-time shape and dtype checks (values are the caller's contract)."""
+    if cfg.num_kv_heads % tp:
+        raise ValueError(
+            f"On {tp} devices the kernel needs num_kv_heads ({cfg.num_kv_heads}) divisible by "
+            f"{tp}: repeat the K/V heads first (`megakernel.shard.prepare_params`), which also "
+            "gives the KV cache that many heads."
         )
     if not isinstance(params["layers"], dict):
         raise ValueError(
@@ -187,14 +215,17 @@ def _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, unif
             )
 
 
-def _verify_call(params, cache, roots, tokens, parents, slots, cache_lens, *, cfg, bs, interpret):
-    """Builds the kernel operands, runs the pallas_call, unpacks logits and verdict."""
+def _verify_call(
+    params, cache, roots, tokens, parents, slots, cache_lens, *, cfg, local, bs, interpret, mesh
+):
+    """Builds the kernel operands, runs the pallas_call (once per device of `mesh`),
+    unpacks logits and verdict. `local` is what one device computes
+    (`shard.local_config`); everything row-shaped is built here once, replicated."""
     b, n = tokens.shape
     lp = params["layers"]
-    wdtype, cdtype = lp["wq"].dtype, cache.k.dtype
-    np_ = tuning.block_rows(n, wdtype)
+    np_ = tuning.block_rows(n, lp["wq"].dtype)
     m, n1 = b * np_, n + 1
-    d, hd, L, v = cfg.hidden_size, cfg.head_dim, cfg.num_layers, cfg.vocab_size
+    d, hd = cfg.hidden_size, cfg.head_dim
     f32, i32 = jnp.float32, jnp.int32
 
     # ---- the verify block, padded to Np rows per sequence
@@ -227,7 +258,8 @@ def _verify_call(params, cache, roots, tokens, parents, slots, cache_lens, *, cf
     tree_cols = jnp.stack([block, par, valid.astype(i32), depth], axis=-1).reshape(m, 4)
     tree_rows = jnp.stack([par, valid.astype(i32)], axis=1)  # [B, 2, Np]
 
-    vmem_in = {
+    # Replicated on every device: the rows and everything of width D or head_dim.
+    rows_in = {
         "x0": params["embed"][block].astype(f32).reshape(m, d),
         "cos": cos,
         "sin": sin,
@@ -240,20 +272,66 @@ def _verify_call(params, cache, roots, tokens, parents, slots, cache_lens, *, cf
         "mlp_norm": lp["mlp_norm"].astype(f32),
         "final_norm": params["final_norm"].astype(f32).reshape(1, d),
     }
+    # Split over devices (`shard` module docstring): name -> (array, axis cut).
+    split_in = {}
     if cfg.attention_bias:
-        tp = bs.proj_cols
-        vmem_in |= {name: lp[name].astype(f32).reshape(L, -1, tp) for name in ("bq", "bk", "bv")}
+        split_in |= {name: (lp[name].astype(f32), 1) for name in ("bq", "bk", "bv")}
     if cfg.qk_norm:
-        vmem_in |= {name: lp[name].astype(f32) for name in ("q_norm", "k_norm")}
-    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    hbm_in = {
-        "wq": lp["wq"], "wk": lp["wk"], "wv": lp["wv"], "wo": lp["wo"],
-        "w_gate": lp["w_gate"], "w_up": lp["w_up"], "w_down": lp["w_down"], "head": head,
+        rows_in |= {name: lp[name].astype(f32) for name in ("q_norm", "k_norm")}
+    tied = cfg.tie_word_embeddings
+    split_in |= {
+        "wq": (lp["wq"], 2), "wk": (lp["wk"], 2), "wv": (lp["wv"], 2), "wo": (lp["wo"], 1),
+        "w_gate": (lp["w_gate"], 2), "w_up": (lp["w_up"], 2), "w_down": (lp["w_down"], 1),
+        "head": (params["embed"], 0) if tied else (params["lm_head"], 1),
+        "k_cache": (cache.k, 2), "v_cache": (cache.v, 2),
     }  # fmt: skip
+    row_lens = jnp.where(slots >= 0, cache_lens, 0).astype(i32)
+    run = functools.partial(
+        _device_call, names=(*rows_in, *split_in), local=local, bs=bs, batch=b,
+        num_nodes=n, vocab=cfg.vocab_size, interpret=interpret, tp=_mesh_size(mesh),
+    )  # fmt: skip
+    args = (slots.astype(i32), row_lens, *rows_in.values(), *(a for a, _ in split_in.values()))
+    if mesh is None:
+        logits, verdict, k_cache, v_cache = run(*args)
+    else:
+        cut = [_cut(a.ndim, axis) for a, axis in split_in.values()]
+        logits, verdict, k_cache, v_cache = jax.shard_map(
+            run,
+            mesh=mesh,
+            in_specs=(P(), P(), *[P()] * len(rows_in), *cut),
+            out_specs=(P(None, AXIS), P(), cut[-2], cut[-1]),
+            check_vma=False,  # the verdict is replicated by construction (collectives)
+        )(*args)
+    logits = logits.reshape(b, np_, -1)[:, :n1, : cfg.vocab_size]
+    greedy = Verdict(verdict[:, 0, :n], verdict[:, 1, 0], verdict[:, 2, 0])
+    return logits, greedy, KVCache(k=k_cache, v=v_cache)
 
+
+def _cut(ndim: int, axis: int) -> P:
+    parts: list[str | None] = [None] * ndim
+    parts[axis] = AXIS
+    return P(*parts)
+
+
+def _device_call(
+    slots, row_lens, *arrays, names, local, bs, batch, num_nodes, vocab, interpret, tp
+):
+    """One device's pallas_call over its shards (`local` is its part of the model)."""
+    ins = dict(zip(names, arrays, strict=True))
+    k_cache, v_cache = ins.pop("k_cache"), ins.pop("v_cache")
+    wdtype, cdtype = ins["wq"].dtype, k_cache.dtype
+    hbm_names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "head")
+    hbm_in = {name: ins.pop(name) for name in hbm_names}
+    vmem_in = ins
+    L, m = local.num_layers, ins["x0"].shape[0]
+    for name in ("bq", "bk", "bv"):  # one sublane row per tile: the kernel picks row j
+        if name in vmem_in:
+            vmem_in[name] = vmem_in[name].reshape(L, -1, bs.proj_cols)
+    np_ = tuning.block_rows(num_nodes, wdtype)
     buffers = tuning.vmem_buffers(
-        cfg, bs, batch=b, num_nodes=n, weight_dtype=wdtype, cache_dtype=cdtype
-    )
+        local, bs, batch=batch, num_nodes=num_nodes, weight_dtype=wdtype, cache_dtype=cdtype,
+        tp=tp,
+    )  # fmt: skip
     planned = {buf.name: buf for buf in buffers}
     for name, arr in vmem_in.items():  # the VMEM estimate must describe what we pass
         assert planned[name].shape == arr.shape, (name, planned[name].shape, arr.shape)
@@ -267,6 +345,10 @@ def _verify_call(params, cache, roots, tokens, parents, slots, cache_lens, *, cf
         pltpu.SemaphoreType.DMA((2, 2)),  # KV tiles: k / v x slot
         pltpu.SemaphoreType.DMA((2,)),  # KV writes: k / v
     ]
+    sem_names = ["qkv_sem", "o_sem", "mlp_sem", "head_sem", "out_sem", "kv_sem", "wr_sem"]
+    if tp > 1:
+        sems.append(pltpu.SemaphoreType.DMA((6, tp)))  # collectives: (send, recv) x 3 phases
+        sem_names.append("coll_sem")
     names = (
         ["slots_ref", "lens_ref"]
         + [f"{name}_ref" for name in vmem_in]
@@ -274,21 +356,23 @@ def _verify_call(params, cache, roots, tokens, parents, slots, cache_lens, *, cf
         + ["k_in_hbm", "v_in_hbm"]
         + ["logits_hbm", "verdict_ref", "k_hbm", "v_hbm"]
         + [f"{buf.name}_ref" for buf in buffers if buf.kind == "scratch"]
-        + ["qkv_sem", "o_sem", "mlp_sem", "head_sem", "out_sem", "kv_sem", "wr_sem"]
+        + sem_names
     )
+    vs = local.vocab_size
     plan = SimpleNamespace(
-        cfg=cfg, bs=bs, B=b, N1=n1, Np=np_, M=m, D=d, H=cfg.num_heads, K=cfg.num_kv_heads,
-        G=cfg.q_per_kv, hd=hd, L=L, V=v, T=cache.max_len, wdtype=wdtype, cdtype=cdtype,
-        rmw_rows=tuning.kv_write_rows(n, cdtype),
+        cfg=local, bs=bs, B=batch, N1=num_nodes + 1, Np=np_, M=m, D=local.hidden_size,
+        H=local.num_heads, K=local.num_kv_heads, G=local.q_per_kv, hd=local.head_dim, L=L,
+        V=vs, T=k_cache.shape[3], wdtype=wdtype, cdtype=cdtype,
+        rmw_rows=tuning.kv_write_rows(num_nodes, cdtype), tp=tp, vocab=vocab,
     )  # fmt: skip
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     n_in = len(vmem_in) + len(hbm_in)
     out_shape = (
-        jax.ShapeDtypeStruct((m, v), f32),
-        jax.ShapeDtypeStruct((b, 8, np_), i32),
-        jax.ShapeDtypeStruct(cache.k.shape, cdtype),
-        jax.ShapeDtypeStruct(cache.v.shape, cdtype),
+        jax.ShapeDtypeStruct((m, vs), jnp.float32),
+        jax.ShapeDtypeStruct((batch, 8, np_), jnp.int32),
+        jax.ShapeDtypeStruct(k_cache.shape, cdtype),
+        jax.ShapeDtypeStruct(v_cache.shape, cdtype),
     )
     call = pl.pallas_call(
         functools.partial(_kernel, p=plan, names=names),
@@ -303,25 +387,21 @@ def _verify_call(params, cache, roots, tokens, parents, slots, cache_lens, *, cf
         # Operand indices count the two scalar-prefetch operands.
         input_output_aliases={2 + n_in: 2, 3 + n_in: 3},
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary",), vmem_limit_bytes=bs.vmem_limit_bytes
-        ),
-        cost_estimate=_cost(cfg, params, cache, m),
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=bs.vmem_limit_bytes,
+            collective_id=0 if tp > 1 else None,
+        ),  # fmt: skip
+        cost_estimate=_cost(local, hbm_in, k_cache, m),
         interpret=interpret,
         name="verify_megakernel",
     )
-    row_lens = jnp.where(slots >= 0, cache_lens, 0).astype(i32)
-    logits, verdict, k_cache, v_cache = call(
-        slots.astype(i32), row_lens, *vmem_in.values(), *hbm_in.values(), cache.k, cache.v
-    )
-    logits = logits.reshape(b, np_, v)[:, :n1]
-    greedy = Verdict(verdict[:, 0, :n], verdict[:, 1, 0], verdict[:, 2, 0])
-    return logits, greedy, KVCache(k=k_cache, v=v_cache)
+    return call(slots, row_lens, *vmem_in.values(), *hbm_in.values(), k_cache, v_cache)
 
 
-def _cost(cfg: ModelConfig, params, cache: KVCache, rows: int) -> pl.CostEstimate:
-    """Matmul flops and HBM bytes (all weights + the whole cache as an upper bound)."""
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    kv_bytes = 2 * cache.k.size * cache.k.dtype.itemsize
+def _cost(cfg: ModelConfig, weights: dict, k_cache: jax.Array, rows: int) -> pl.CostEstimate:
+    """Matmul flops and HBM bytes (the streamed weights + the whole cache as an upper bound)."""
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in weights.values())
+    kv_bytes = 2 * k_cache.size * k_cache.dtype.itemsize
     flops = 2 * rows * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size)
     return pl.CostEstimate(
         flops=int(flops), transcendentals=int(rows * cfg.vocab_size),
@@ -399,6 +479,20 @@ def _kernel(*refs, p, names):
     no, nf = p.H * p.hd // to, cfg.intermediate_size // tf
     nv, v_tail = p.V // tv, p.V % tv
     eps = cfg.rms_norm_eps
+    # Split over p.tp devices, each adds its heads' / columns' share of the two
+    # residual updates to `red` and an all-reduce adds the sum to x (`collectives`).
+    me = jax.lax.axis_index(collectives.AXIS) if p.tp > 1 else 0
+    acc_ref = r.red_ref if p.tp > 1 else r.x_ref
+
+    def reduce_into_x():
+        if p.tp > 1:
+            collectives.all_reduce_add(
+                r.red_ref, r.x_ref, r.scat_ref, r.gath_ref, r.coll_sem, me, p.tp
+            )
+
+    def start_update():
+        if p.tp > 1:
+            r.red_ref[...] = jnp.zeros_like(r.red_ref)
 
     # ---- weight tiles: the DMA descriptors of tile j in buffer slot `slot`
     def proj_copies(name, li):
@@ -465,14 +559,16 @@ def _kernel(*refs, p, names):
         def o_tile(j, slot, c):
             # Row tile j of wo covers heads [j * hpt, (j + 1) * hpt): x += sum_h attn_h @ wo_h.
             hpt = to // p.hd
-            acc = r.x_ref[...]
+            acc = acc_ref[...]
             for t in range(hpt):
                 w = r.o_buf_ref[slot, pl.ds(t * p.hd, p.hd), :]
                 acc = acc + _dot(r.attn_ref[j * hpt + t], w)
-            r.x_ref[...] = acc
+            acc_ref[...] = acc
             return c
 
+        start_update()
         _stream(no, 0, o_copies(li), lambda: _start(mlp_copies(li)(0, 0)), o_tile)
+        reduce_into_x()  # mlp_0 is already in flight
         r.h_ref[...] = _rms(r.x_ref[...], r.mlp_norm_ref[pl.ds(li, 1), :], eps).astype(p.wdtype)
 
         def next_layer_or_head():
@@ -489,14 +585,18 @@ def _kernel(*refs, p, names):
             g = _dot(hx, r.gate_buf_ref[slot])
             u = _dot(hx, r.up_buf_ref[slot])
             a = (g * jax.nn.sigmoid(g) * u).astype(p.wdtype)
-            r.x_ref[...] = r.x_ref[...] + _dot(a, r.down_buf_ref[slot])
+            acc_ref[...] = acc_ref[...] + _dot(a, r.down_buf_ref[slot])
             return c
 
+        start_update()
         _stream(nf, 0, mlp_copies(li), next_layer_or_head, mlp_tile)
+        reduce_into_x()  # the next layer's first tile is already in flight
         return carry
 
     r.x_ref[...] = r.x0_ref[...]
     _start(proj_copies("wq", 0)(0, 0))
+    if p.tp > 1:  # no remote DMA into a device that has not entered the kernel
+        collectives.barrier(me, p.tp)
     jax.lax.fori_loop(0, p.L, layer, 0)
 
     # ---- LM head over vocabulary tiles, running (max, argmax) per row
@@ -524,8 +624,10 @@ def _kernel(*refs, p, names):
 
             r.logits_buf_ref[slot, :, pl.ds(0, width)] = y
             out_copy(j, slot, width).start()
+            ids = _iota(y.shape, 1) + j * tv + me * p.V  # this device's vocabulary
+            if p.V * p.tp != p.vocab:  # padded columns never win
+                y = jnp.where(ids < p.vocab, y, -jnp.inf)
             tile_max = jnp.max(y, axis=1, keepdims=True)
-            ids = _iota(y.shape, 1) + j * tv
             tile_arg = jnp.min(jnp.where(y == tile_max, ids, _BIG), axis=1, keepdims=True)
             better = tile_max > mx  # strict: an earlier tile keeps a tie (lowest id)
             return jnp.where(better, tile_max, mx), jnp.where(better, tile_arg, am)
@@ -542,6 +644,8 @@ def _kernel(*refs, p, names):
         widths.append(v_tail)
     for j in range(max(0, len(widths) - 2), len(widths)):  # the copies still in flight
         out_copy(j, j % 2, widths[j]).wait()
+    if p.tp > 1:
+        carry = collectives.global_argmax(*carry, r.amx_ref, r.coll_sem, me, p.tp)
     r.argmax_ref[...] = carry[1]
 
     jax.lax.fori_loop(0, p.B, functools.partial(_greedy_row, r, p), 0)

@@ -184,8 +184,13 @@ def vmem_buffers(
     num_nodes: int,
     weight_dtype,
     cache_dtype,
+    tp: int = 1,
 ) -> list[Buffer]:
-    """Every VMEM buffer of the kernel, in the order the kernel declares its scratch."""
+    """Every VMEM buffer of the kernel, in the order the kernel declares its scratch.
+
+    `cfg` is what one device computes (`shard.local_config`); with `tp` > 1 devices
+    the all-reduce and argmax-exchange buffers are added (`collectives`).
+    """
     wdt, cdt = np.dtype(weight_dtype), np.dtype(cache_dtype)
     f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
     np_ = block_rows(num_nodes, wdt)
@@ -238,6 +243,14 @@ def vmem_buffers(
         Buffer("rmw_buf", (kv_write_rows(num_nodes, cdt), hd), cdt, "scratch"),
         Buffer("argmax", (m, 1), i32, "scratch"),
     ]
+    if tp > 1:
+        chunk = d // tp
+        bufs += [
+            Buffer("red", (m, d), f32, "scratch"),  # this device's partial sum
+            Buffer("scat", (tp, m, chunk), f32, "scratch"),  # reduce-scatter inbox
+            Buffer("gath", (tp, m, chunk), f32, "scratch"),  # all-gather inbox
+            Buffer("amx", (tp, m, LANES), f32, "scratch"),  # (max, argmax) per device
+        ]
     return bufs
 
 
@@ -282,6 +295,7 @@ def default_block_sizes(
     cache_dtype,
     max_len: int,
     vmem_budget: int = 48 * MIB,
+    tp: int = 1,
 ) -> BlockSizes:
     """The largest TPU-aligned tiles whose buffers fit `vmem_budget` bytes.
 
@@ -307,7 +321,7 @@ def default_block_sizes(
         return vmem_bytes(
             vmem_buffers(
                 cfg, bs, batch=batch, num_nodes=num_nodes, weight_dtype=weight_dtype,
-                cache_dtype=cache_dtype,
+                cache_dtype=cache_dtype, tp=tp,
             )
         )  # fmt: skip
 
@@ -360,6 +374,7 @@ def step_block_sizes(
     weight_dtype,
     cache_dtype,
     max_len: int,
+    tp: int = 1,
 ) -> BlockSizes:
     """The block sizes and VMEM limit of the verify step on `chip`: the one choice the
     engine (`kernel.verify` without block sizes) and `specdec aot` both make, so the
@@ -368,5 +383,6 @@ def step_block_sizes(
     bs = default_block_sizes(
         cfg, batch=batch, num_nodes=num_nodes, weight_dtype=weight_dtype,
         cache_dtype=cache_dtype, max_len=max_len, vmem_budget=chip.vmem_bytes - STREAM_RESERVE,
+        tp=tp,
     )  # fmt: skip
     return dataclasses.replace(bs, vmem_limit_bytes=chip.vmem_bytes - VMEM_HEADROOM)

@@ -1,0 +1,176 @@
+"""How the verify megakernel splits one target over n devices (tensor parallel).
+
+Each of the n devices runs the same kernel on its shard of every layer
+(`kernel.verify(..., mesh=...)`, one instance per device under `jax.shard_map`):
+
+    what                          each device holds                      needs
+    wq, bq / wo                   H / n query heads (columns / rows)     H % n == 0
+    wk, wv, bk, bv, KV cache      K / n K/V heads                        K % n == 0 *
+    w_gate, w_up / w_down         F / n intermediate columns / rows      F % n == 0
+    LM head (lm_head or embed)    Vp / n vocabulary columns (rows)       Vp = V padded
+    the residual stream [M, D]    all of it (the all-reduce's result)    D % n == 0
+    norms, RoPE, masks, tree      all of it
+
+*A model with fewer K/V heads than devices (n % K == 0) first gets its K/V heads
+repeated n / K times (`replicate_kv_heads`): the same model, exactly, with n K/V
+heads, so each device holds one, and its KV cache has n heads (each of the K
+originals stored n / K times). This is what "KV heads replicated across devices"
+costs in memory.
+
+The vocabulary is padded with zero columns to `padded_vocab(V, n)`, a multiple of
+n * 128, so every device's shard is whole vector lanes; the kernel never lets a
+padded id win the argmax, and `transformer.lm_head` drops padded columns, so the
+padded copy serves every other forward too.
+
+Why the residual stream is whole on every device: the two reductions per layer
+(after the attention output projection and after the MLP down projection) are
+all-reduces whose result every device needs for its next matmul, and the tree's
+rows (B x (N + 1), at most a few hundred) make [M, D] small next to a layer's
+weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from specdec.kernels.config import ModelConfig
+from specdec.kernels.megakernel.tuning import LANES, round_up
+from specdec.kernels.transformer import Params
+
+__all__ = [
+    "check_shardable",
+    "local_config",
+    "padded_vocab",
+    "prepare_params",
+    "replicate_kv_heads",
+]
+
+
+def padded_vocab(vocab_size: int, n: int) -> int:
+    """The LM head's width on n devices: V rounded up to a multiple of n * 128 (V on one)."""
+    return vocab_size if n == 1 else round_up(vocab_size, n * LANES)
+
+
+def check_shardable(cfg: ModelConfig, n: int, *, tpu: bool = False) -> None:
+    """Raises ValueError naming what keeps `cfg` from the megakernel on n devices."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"The megakernel's device count must be a positive integer, got {n!r}.")
+    if cfg.is_moe:
+        raise ValueError(
+            f"The verify megakernel covers dense models only; {cfg.architecture.value} with "
+            f"{cfg.num_experts} experts must use kernel='xla'."
+        )
+    if n == 1:
+        return
+    rules = [
+        ("num_heads", cfg.num_heads),
+        ("intermediate_size", cfg.intermediate_size),
+        ("hidden_size", cfg.hidden_size),
+    ]
+    for name, size in rules:
+        if size % n:
+            raise ValueError(
+                f"The megakernel on {n} devices splits {name} ({size}) {n} ways; {size} is not "
+                f"a multiple of {n}. Use tensor_parallel_size dividing {size}, or kernel='xla'."
+            )
+    k = cfg.num_kv_heads
+    if k % n and n % k:
+        raise ValueError(
+            f"The megakernel on {n} devices needs num_kv_heads ({k}) to divide by {n} or to "
+            f"divide {n} (heads then replicated); use another tensor_parallel_size or kernel='xla'."
+        )
+    if tpu and (cfg.hidden_size // n) % LANES:
+        raise ValueError(
+            f"On TPU each device reduces hidden_size / {n} = {cfg.hidden_size // n} columns, "
+            f"which must be a multiple of {LANES}; use fewer devices or kernel='xla'."
+        )
+
+
+def replicate_kv_heads(cfg: ModelConfig, params: Params, n: int) -> tuple[ModelConfig, Params]:
+    """The same model with max(K, n) K/V heads: each of wk / wv / bk / bv's K heads
+    repeated n / K times in place (head e of the result is head e // (n / K)).
+
+    Exact: query head h of H reads K/V head h * K // H of the original and head
+    e = h * n // H of the result, whose original is e // (n / K) = h * K // H.
+    """
+    k = cfg.num_kv_heads
+    if n <= k:
+        return cfg, params
+    if n % k:
+        raise ValueError(f"num_kv_heads ({k}) must divide {n} to be replicated {n} ways.")
+    reps, hd = n // k, cfg.head_dim
+
+    def repeat(w):  # [..., K * hd] -> [..., n * hd], head-major
+        shape = w.shape
+        w = w.reshape(*shape[:-1], k, 1, hd)
+        w = jnp.broadcast_to(w, (*shape[:-1], k, reps, hd))
+        return w.reshape(*shape[:-1], n * hd)
+
+    layers = params["layers"]
+    if not isinstance(layers, dict):
+        raise ValueError("replicate_kv_heads takes stacked layers (params['layers'] a dict).")
+    layers = dict(layers)
+    for name in ("wk", "wv", "bk", "bv"):
+        if name in layers:
+            layers[name] = repeat(layers[name])
+    return dataclasses.replace(cfg, num_kv_heads=n), {**params, "layers": layers}
+
+
+def pad_head(cfg: ModelConfig, params: Params, width: int) -> Params:
+    """`params` with its LM head (lm_head columns, or a tied embed's rows) zero-padded to
+    `width` vocabulary entries."""
+    name, axis = ("embed", 0) if cfg.tie_word_embeddings else ("lm_head", 1)
+    head = params[name]
+    extra = width - head.shape[axis]
+    if extra < 0:
+        raise ValueError(f"The LM head already has {head.shape[axis]} > {width} columns.")
+    if extra == 0:
+        return params
+    pads = [(0, 0)] * head.ndim
+    pads[axis] = (0, extra)
+    return {**params, name: jnp.pad(head, pads)}
+
+
+def head_width(cfg: ModelConfig, params: Params) -> int:
+    """Vocabulary entries the LM head holds (V, or V padded)."""
+    return params["embed"].shape[0] if cfg.tie_word_embeddings else params["lm_head"].shape[1]
+
+
+def prepare_params(cfg: ModelConfig, params: Params, n: int) -> tuple[ModelConfig, Params]:
+    """Once, at load: K/V heads replicated where needed and the vocabulary padded, so
+    the n-device kernel streams `params` as they are (no per-step copy)."""
+    check_shardable(cfg, n)
+    cfg, params = replicate_kv_heads(cfg, params, n)
+    return cfg, pad_head(cfg, params, padded_vocab(cfg.vocab_size, n))
+
+
+def local_config(cfg: ModelConfig, n: int, head_cols: int) -> ModelConfig:
+    """What one of n devices computes, as a model config: its heads, K/V heads,
+    intermediate columns and `head_cols / n` vocabulary columns."""
+    if n == 1:
+        return dataclasses.replace(cfg, vocab_size=head_cols)
+    return dataclasses.replace(
+        cfg,
+        num_heads=cfg.num_heads // n,
+        num_kv_heads=cfg.num_kv_heads // n,
+        intermediate_size=cfg.intermediate_size // n,
+        vocab_size=head_cols // n,
+    )
+
+
+def allreduce_bytes_sent(rows: int, hidden: int, n: int) -> int:
+    """Bytes one device sends for one f32 all-reduce of [rows, hidden] (two one-shot
+    phases, each sending n - 1 chunks of hidden / n columns)."""
+    return 0 if n == 1 else 2 * (n - 1) * rows * (hidden // n) * 4
+
+
+def step_bytes_sent(cfg: ModelConfig, rows: int, n: int) -> int:
+    """Bytes one device sends to the others in one verify step: two all-reduces per
+    layer plus the (max, argmax) exchange of the LM head."""
+    if n == 1:
+        return 0
+    return 2 * cfg.num_layers * allreduce_bytes_sent(rows, cfg.hidden_size, n) + (
+        (n - 1) * rows * LANES * 4
+    )
