@@ -15,12 +15,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import NamedSharding
-
 from test_megakernel import (
-    CONTEXTS, DTYPES, NODES, TOPK, TREES, chain, copy_cache, matched_tokens, model, nan_cache,
-    pad_tree, random_tree,
+    CONTEXTS,
+    DTYPES,
+    NODES,
+    TOPK,
+    TREES,
+    chain,
+    copy_cache,
+    matched_tokens,
+    model,
+    nan_cache,
+    pad_tree,
+    random_tree,
 )  # fmt: skip
+
 from specdec.kernels import sharding
 from specdec.kernels.megakernel import BlockSizes, kernel, reference, shard
 from specdec.verify.batch import SamplingBatch
@@ -106,7 +115,8 @@ def main() -> None:
         want = np.repeat(np.asarray(getattr(ref.cache, name)).astype(np.float32), reps, axis=2)
         for row, slot in enumerate(slots):
             upto = lens[row] + NODES + 1
-            kv_err = max(kv_err, float(np.max(np.abs(got[:, slot, :, :upto] - want[:, slot, :, :upto]))))
+            diff = got[:, slot, :, :upto] - want[:, slot, :, :upto]
+            kv_err = max(kv_err, float(np.max(np.abs(diff))))
     print(json.dumps({
         "races": races,
         "paths_equal": bool(np.array_equal(out.accepted_nodes, ref.accepted_nodes)
@@ -117,7 +127,7 @@ def main() -> None:
         "kv_err": kv_err,
         "nan_logits": bool(np.isnan(np.asarray(out.logits)).any()),
         "cases": [f"{t}-ctx{c}" for t, c in grid],
-        "sharding": str(out.cache.k.sharding.spec) if isinstance(out.cache.k.sharding, NamedSharding) else "",
+        "sharding": str(getattr(out.cache.k.sharding, "spec", "")),
     }))  # fmt: skip
 
 
