@@ -60,6 +60,7 @@ class ModelRunner:
         self.cache = KVCache.create(cfg, num_slots, alloc, dtype=cache_dtype)
         self.cache_lens = np.zeros(num_slots, np.int32)
         self.reserved = np.zeros(num_slots, np.int32)  # planned lengths (`reserve`)
+        self.mesh = None  # the devices it is split over, once `sharding.shard_runner` ran
 
     def release(self, slot: int) -> None:
         self.cache_lens[slot] = 0

@@ -103,9 +103,13 @@ def param_specs(cfg: ModelConfig, params: Params, tp: int) -> Params:
             # An [out, in] copy (`xla_layout.one_row_copies`): its original's cut, transposed.
             axis, dim = rule
             rule = (-3 - axis, dim)
-        if tp == 1 or rule is None or not ok[rule[1]]:
+        if tp == 1 or rule is None:
             return _spec(np.ndim(leaf), None)
-        return _spec(np.ndim(leaf), rule[0])
+        axis, dim = rule
+        # A head padded for the megakernel (`megakernel.shard.pad_head`) is cut by its
+        # own width, which divides where the vocabulary may not.
+        fits = np.shape(leaf)[axis] % tp == 0 if dim == "vocab" else ok[dim]
+        return _spec(np.ndim(leaf), axis if fits else None)
 
     return jax.tree_util.tree_map_with_path(one, params)
 
@@ -145,6 +149,7 @@ def shard_runner(runner, mesh: Mesh) -> None:
     """
     runner.params = shard_params(runner.cfg, runner.params, mesh)
     runner.cache = shard_cache(runner.cfg, runner.cache, mesh)
+    runner.mesh = mesh
 
 
 def describe(cfg: ModelConfig, tp: int) -> dict[str, str]:

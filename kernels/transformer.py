@@ -320,8 +320,12 @@ def lm_head(cfg: ModelConfig, params: Params, x: jax.Array, layout: Layout = REF
     """Final norm + vocabulary projection: x f32[..., D] -> logits f32[..., V]."""
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if "lm_head" in params:  # untied, or a tied model's [D, V] copy (`xla_layout.untie_head`)
-        return layout.linear(params, "lm_head", h)
-    return layout.matmul(h, params["embed"].T)
+        logits = layout.linear(params, "lm_head", h)
+    else:
+        logits = layout.matmul(h, params["embed"].T)
+    # A head padded to a multiple of n x 128 entries (`megakernel.shard.pad_head`)
+    # serves every forward: its padded columns are dropped here.
+    return logits[..., : cfg.vocab_size]
 
 
 # ----------------------------------------------------------------------------- forward

@@ -53,16 +53,18 @@ class LLM:
         seed: seeds the per-request seeds of requests that give none.
         kernel: the target's verify step: "megakernel" (the Pallas kernel; interpret
             mode off TPU), "xla" (jitted reference path) or "auto" (megakernel on TPU,
-            XLA elsewhere and for MoE targets).
+            XLA elsewhere and for targets it cannot split, such as MoE).
         cluster: run the draft and the target as Ray actors on separate resource
             groups (`specdec.cluster.ClusterConfig`); the step loop stays here.
         distributed_executor_backend: "ray" = the same with a default ClusterConfig
             (one host per group) when `cluster` is None.
         tensor_parallel_size: shard the target over the first n local devices (heads,
-            FFN columns / rows and the vocabulary split n ways; XLA inserts the
-            collectives). The megakernel runs on one device, so n > 1 takes the XLA
-            path; `kernel="megakernel"` with n > 1 is refused. On Ray the target's
-            group size (`GroupConfig.num_devices`) plays this part.
+            FFN columns / rows and the vocabulary split n ways). The XLA path lets
+            XLA insert the collectives; the megakernel runs one instance per device
+            with its all-reduces inside (`kernels.megakernel.shard`). A model the
+            megakernel cannot split n ways takes XLA under "auto" and is refused
+            with kernel="megakernel". On Ray the target's group size
+            (`GroupConfig.num_devices`) plays this part.
         compile_at_start: compile, before returning, every program a request of up
             to `max_model_len` tokens can run (`LLMEngine.compile_shapes`, behind a
             progress bar), so no request waits on a compile mid-run; programs are

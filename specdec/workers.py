@@ -213,28 +213,26 @@ KernelName = Literal["auto", "megakernel", "xla"]
 
 
 def resolve_kernel(kernel: str, cfg: ModelConfig, num_devices: int = 1) -> str:
-    """The verify backend `kernel` names: "auto" = the megakernel on one TPU device, XLA
-    elsewhere.
+    """The verify backend `kernel` names: "auto" = the megakernel on TPU (over the
+    target's devices, `megakernel.shard`), XLA elsewhere.
 
-    MoE targets and targets sharded over several devices take XLA under "auto" (the
-    megakernel is one device's program: GSPMD cannot partition a Mosaic call); asking
-    for the megakernel there is an error, never a silent fallback.
+    "auto" takes XLA where the megakernel cannot split the model over
+    `num_devices` (MoE, a dimension that does not divide); asking for the
+    megakernel there is an error naming why, never a silent fallback.
     """
+    from specdec.kernels.megakernel import shard
+
     if kernel not in VERIFY_BACKENDS and kernel != "auto":
         raise ValueError(f"kernel must be 'auto', 'megakernel' or 'xla', got {kernel!r}.")
+    tpu = jax.default_backend() == "tpu"
+    try:
+        shard.check_shardable(cfg, num_devices, tpu=tpu)
+    except ValueError as e:
+        if kernel == "megakernel":
+            raise ValueError(f"kernel='megakernel': {e}") from None
+        return "xla"
     if kernel == "auto":
-        one_tpu = jax.default_backend() == "tpu" and num_devices == 1
-        return "megakernel" if one_tpu and not cfg.is_moe else "xla"
-    if kernel == "megakernel" and cfg.is_moe:
-        raise ValueError(
-            f"kernel='megakernel' covers dense models only; {cfg.architecture.value} with "
-            f"{cfg.num_experts} experts needs kernel='xla' (or 'auto')."
-        )
-    if kernel == "megakernel" and num_devices > 1:
-        raise ValueError(
-            f"kernel='megakernel' runs on one device; a target sharded over {num_devices} "
-            "devices needs kernel='xla' (or 'auto'), which XLA partitions over the mesh."
-        )
+        return "megakernel" if tpu else "xla"
     return kernel
 
 
@@ -266,6 +264,7 @@ def _verify_megakernel(r: ModelRunner, cfg, roots, tree: DraftBatch, slots, acti
         r.params, r.cache, roots, tree.tokens, tree.parents, tree.draft_probs, slots,
         cache_lens, sampling, sampling.uniforms(n + 1), cfg=cfg,
         child_sampling=tree.child_sampling, interpret=jax.default_backend() != "tpu",
+        mesh=r.mesh,
     )  # fmt: skip
     verdict = Verdict(res.accepted_nodes, res.num_accepted, res.bonus)
     src = jnp.where(res.accepted_nodes >= 0, res.accepted_nodes + 1, 0)
@@ -301,10 +300,18 @@ class TargetWorker:
             plan = make_plan(cfg, dtype=dtype, spec=None, num_slots=num_slots,
                              max_tree_nodes=max_tree_nodes)  # fmt: skip
         self.plan = plan
-        self.kernel = resolve_kernel(kernel, cfg, 1 if mesh is None else mesh.size)
+        n = 1 if mesh is None else mesh.size
+        self.kernel = resolve_kernel(kernel, cfg, n)
         self._verify = VERIFY_BACKENDS[self.kernel]
+        run_cfg = cfg
+        if self.kernel == "megakernel" and n > 1:
+            from specdec.kernels.megakernel import shard
+
+            # Once, at load: K/V heads repeated up to n and the vocabulary padded, so
+            # each device streams whole shards; the runner's forwards see the same model.
+            run_cfg, params = shard.prepare_params(cfg, params, n)
         self.runner = ModelRunner(
-            cfg,
+            run_cfg,
             params,
             num_slots=num_slots,
             max_len=max_model_len + max_tree_nodes + 1,
@@ -312,8 +319,8 @@ class TargetWorker:
             stacked=self.kernel == "megakernel",  # the kernel streams [L, ...] weights
             one_row=num_slots == 1,  # then every plain decode step is one row
         )
-        if mesh is not None and mesh.size > 1:
-            sharding.shard_runner(self.runner, mesh)  # GSPMD partitions every step
+        if n > 1:
+            sharding.shard_runner(self.runner, mesh)  # GSPMD partitions every other step
         # Host trees' verify width; None = always the narrowest that holds every node
         # (what a benchmark of the verify cost per tree size needs).
         self.widths: WidthChooser | None = WidthChooser(plan.width_cost)
@@ -356,7 +363,7 @@ class TargetWorker:
             tree = truncate(tree, self.widths.choose(tree.parents, active))
         slots = np.where(active, np.arange(r.num_slots, dtype=np.int32), -1).astype(np.int32)
         library = self.plan.library(r.num_slots * (tree.tokens.shape[1] + 1))
-        emitted, num, accepted = self._verify(r, self.cfg, roots, tree, slots, active, sampling,
+        emitted, num, accepted = self._verify(r, r.cfg, roots, tree, slots, active, sampling,
                                               library)  # fmt: skip
         emitted, num, accepted = np.asarray(emitted), np.asarray(num), np.asarray(accepted)
         r.cache_lens[active] += 1 + num[active]

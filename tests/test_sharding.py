@@ -98,8 +98,8 @@ CHILD = textwrap.dedent(
         out = [o.outputs[0].token_ids for o in tp.generate(some, greedy, use_tqdm=False)]
         assert out == ref, ("tensor_parallel_size", kv, seqs)
     for bad, why in (({{"tensor_parallel_size": 8}}, "needs that many local devices; JAX sees 4"),
-                     ({{"tensor_parallel_size": 2, "kernel": "megakernel"}},
-                      "runs on one device; a target sharded over 2 devices needs kernel='xla'")):
+                     ({{"tensor_parallel_size": 3, "kernel": "megakernel"}},
+                      "splits num_heads (4) 3 ways")):
         try:
             LLM(d, max_model_len=64, **bad)
         except ValueError as e:

@@ -63,11 +63,11 @@ def main() -> None:
     ap.add_argument("--mode", default="eager", choices=["eager", "on_wait"])
     ap.add_argument("--batch", type=int, default=9)
     ap.add_argument("--drop-wait", action="store_true", help="skip one semaphore wait")
+    ap.add_argument("--config", default="{}", help="ModelConfig overrides, JSON")
     args = ap.parse_args()
     n, dtype = args.tp, DTYPES[args.dtype]
-    cfg, params = model(
-        dtype, args.kv_heads, vocab_size=VOCAB, num_heads=8, head_dim=16, intermediate_size=256
-    )
+    overrides = dict(vocab_size=VOCAB, num_heads=8, head_dim=16, intermediate_size=256)
+    cfg, params = model(dtype, args.kv_heads, **(overrides | json.loads(args.config)))
     rng = np.random.default_rng(n * 10 + args.kv_heads)
     grid, parents, designated = cases(rng, args.batch)
     b = len(grid)

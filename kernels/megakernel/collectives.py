@@ -47,6 +47,11 @@ from jax.experimental.pallas import tpu as pltpu
 AXIS = "tp"  # the mesh axis the kernel is split over (`kernels.sharding.AXIS`)
 HALF = 64  # lanes of the packed (max, argmax) tile that hold the max
 
+# Fault injection for the tests only: when True, every exchange skips its wait for
+# the first peer's DMA, the bug the one-slot argument above rules out. The tests set
+# it to prove the interpreter's race detector (or a wrong result) catches it.
+DROP_RECV_WAIT = False
+
 # Rows of the collective semaphore array `coll_sem` [6, n]: (send, recv) per phase.
 SCATTER_SEND, SCATTER_RECV, GATHER_SEND, GATHER_RECV, ARGMAX_SEND, ARGMAX_RECV = range(6)
 
@@ -81,6 +86,8 @@ def _exchange(src, inbox, sem, send_row, recv_row, me, n, targets_chunk=None) ->
         cp.start()
         sends.append(cp)
     for k in range(1, n):
+        if DROP_RECV_WAIT and k == 1:
+            continue
         s = _peer(me, n - k, n)  # device s wrote inbox[s]; its size is inbox[me]'s
         recv = pltpu.make_async_remote_copy(
             inbox.at[me], inbox.at[s], sem.at[send_row, k], sem.at[recv_row, s], **_device(s)

@@ -1,0 +1,198 @@
+"""The verify megakernel split over n devices (`kernels.megakernel.shard`).
+
+Device counts are fixed when JAX starts, so the kernel runs in child processes
+(tests/tp_check.py, 8 virtual CPU devices) under the Pallas TPU interpreter with
+its race detector on; each compares the n-device kernel with the one-device
+reference: accepted paths, bonus tokens, logits and the written K/V.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from fixtures import tiny_config
+from jax.sharding import PartitionSpec as P
+
+from specdec.kernels import sharding
+from specdec.kernels import transformer as T
+from specdec.kernels.config import Architecture
+from specdec.kernels.megakernel import shard
+
+TESTS = Path(__file__).parent
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+
+
+def tp_check(*args: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "tp_check.py", *args], cwd=TESTS, env=ENV, capture_output=True,
+        text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_matches(found: dict, dtype: str) -> None:
+    assert not found["races"], found
+    assert found["paths_equal"] and found["bonus_equal"], found
+    assert not found["nan_logits"], found
+    tol = 1e-4 if dtype == "f32" else 0.1  # a bf16 block reduced in another order
+    assert found["logit_err"] < tol and found["kv_err"] < tol, found
+    assert found["accepted"] > 0, found  # the trees were built to be partly right
+
+
+def test_two_devices_match_the_reference():
+    assert_matches(tp_check("--tp", "2", "--batch", "1"), "f32")
+
+
+def test_a_missing_semaphore_wait_is_caught():
+    """Skipping one wait for a peer's DMA (the bug the one-slot argument rules out) is
+    seen: eagerly run DMAs give the race detector a read racing a remote write."""
+    found = tp_check("--tp", "2", "--batch", "2", "--drop-wait")
+    assert found["races"], found
+
+
+CASES = [
+    # n, dtype, K/V heads (replicated when fewer than n), DMA mode, rows, config overrides
+    ("4", "f32", "2", "eager", "9", {}),
+    ("8", "f32", "1", "eager", "9", {}),
+    ("4", "bf16", "8", "on_wait", "4", {}),
+    ("2", "f32", "2", "on_wait", "4", {"attention_bias": True, "tie_word_embeddings": True}),
+    ("4", "f32", "4", "eager", "4", {"qk_norm": True, "vocab_size": 1000}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,dtype,kv,mode,batch,config", CASES)
+def test_n_devices_match_the_reference(n, dtype, kv, mode, batch, config):
+    found = tp_check("--tp", n, "--dtype", dtype, "--kv-heads", kv, "--mode", mode,
+                     "--batch", batch, "--config", json.dumps(config))  # fmt: skip
+    assert_matches(found, dtype)
+
+
+@pytest.mark.slow
+def test_a_missing_wait_gives_a_wrong_answer_when_dmas_land_late():
+    """With DMAs landing only when waited for, the skipped wait leaves an inbox unfilled:
+    the result is wrong (the unfilled inbox holds NaN), never quietly right."""
+    found = tp_check("--tp", "4", "--batch", "2", "--mode", "on_wait", "--drop-wait")
+    assert found["nan_logits"] or not found["paths_equal"], found
+
+
+# ------------------------------------------------------------------ in-process rules
+
+
+def test_check_shardable_names_what_does_not_divide():
+    cfg = tiny_config()  # H=4, K=2, F=64, D=32
+    shard.check_shardable(cfg, 1)
+    shard.check_shardable(cfg, 4)  # K=2 divides 4: K/V heads replicated
+    with pytest.raises(ValueError, match=r"splits num_heads \(4\) 3 ways"):
+        shard.check_shardable(cfg, 3)
+    with pytest.raises(ValueError, match=r"num_kv_heads \(3\) to divide by 2 or to divide 2"):
+        shard.check_shardable(tiny_config(num_heads=6, num_kv_heads=3), 2)
+    with pytest.raises(ValueError, match=r"intermediate_size \(66\)"):
+        shard.check_shardable(tiny_config(intermediate_size=66), 4)
+    with pytest.raises(ValueError, match="hidden_size / 2 = 16 columns, which must be a multiple"):
+        shard.check_shardable(cfg, 2, tpu=True)
+    moe = tiny_config(architecture=Architecture.QWEN3_MOE, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, qk_norm=True)  # fmt: skip
+    with pytest.raises(ValueError, match="dense models only"):
+        shard.check_shardable(moe, 2)
+    with pytest.raises(ValueError, match="positive integer, got 0"):
+        shard.check_shardable(cfg, 0)
+
+
+def test_padded_vocab():
+    assert shard.padded_vocab(320, 1) == 320
+    assert shard.padded_vocab(320, 2) == 512
+    assert shard.padded_vocab(1024, 8) == 1024
+    assert shard.padded_vocab(1025, 8) == 2048
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_prepared_params_are_the_same_model(tied):
+    """K/V heads repeated (K=1 -> 4) and the head padded: identical logits and each
+    original K/V head stored n / K times, so the forward is exact, not approximate."""
+    cfg = tiny_config(num_kv_heads=1, tie_word_embeddings=tied, vocab_size=300)
+    params = T.init_params(cfg, jax.random.key(3), jnp.float32)
+    cfg4, params4 = shard.prepare_params(cfg, params, 4)
+    assert cfg4.num_kv_heads == 4 and cfg4.vocab_size == 300
+    assert shard.head_width(cfg4, params4) == 512
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 300, (2, 7)), jnp.int32)
+    want = T.forward_train(params, cfg, tokens)
+    got = T.forward_train(params4, cfg4, tokens)
+    assert got.shape == want.shape == (2, 7, 300)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    wk = np.asarray(params4["layers"]["wk"]).reshape(cfg.num_layers, cfg.hidden_size, 4, 8)
+    assert all(np.array_equal(wk[..., e, :], wk[..., 0, :]) for e in range(4))
+
+
+def test_a_padded_head_is_cut_by_its_own_width():
+    """V=302 does not divide by 4, but the padded head (512) does: cut, not replicated."""
+    cfg = tiny_config(vocab_size=302)
+    params = T.init_params(cfg, jax.random.key(0), jnp.float32)
+    assert sharding.param_specs(cfg, params, 4)["lm_head"] == P()
+    _, padded = shard.prepare_params(cfg, params, 4)
+    assert sharding.param_specs(cfg, padded, 4)["lm_head"] == P(None, "tp")
+
+
+ENGINE_CHILD = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    import numpy as np
+    from pathlib import Path
+    from fixtures import tiny_pair
+    from specdec import LLM, SamplingParams
+
+    d = tiny_pair(Path({tmp!r}))
+    rng = np.random.default_rng(1)
+    prompts = [{{"prompt_token_ids": rng.integers(0, 300, n).tolist()}}
+               for n in rng.integers(1, 30, 4)]
+    spec = {{"method": "draft_model", "model": str(d), "num_speculative_tokens": 6,
+             "max_depth": 3, "topk": 2}}
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=8, ignore_eos=True)
+
+    def run(params, **kw):
+        llm = LLM(d, max_model_len=64, max_num_seqs=4, speculative_config=spec, **kw)
+        return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)]
+
+    _, want = run(greedy, kernel="xla")
+    _, want_sampled = run(sampled, kernel="xla")
+    for n in (2, 4):  # K=2: split 2 ways; replicated to 4 K/V heads on 4 devices
+        llm, got = run(greedy, kernel="megakernel", tensor_parallel_size=n)
+        assert llm.kernel == "megakernel"
+        runner = llm.engine.target.runner
+        assert runner.cfg.num_kv_heads == max(2, n), runner.cfg
+        assert runner.cache.k.sharding.spec[2] == "tp", runner.cache.k.sharding
+        assert got == want, (n, got, want)
+        print("greedy", n, "OK")
+    _, got = run(sampled, kernel="megakernel", tensor_parallel_size=2)
+    assert got == want_sampled, (got, want_sampled)
+    try:
+        LLM(d, max_model_len=64, tensor_parallel_size=3, kernel="megakernel")
+    except ValueError as e:
+        assert "splits num_heads (4) 3 ways" in str(e), e
+    else:
+        raise AssertionError("a 3-way split of 4 heads was accepted")
+    print("OK")
+    """
+)
+
+
+@pytest.mark.slow
+def test_llm_tensor_parallel_megakernel_equals_one_device_xla(tmp_path):
+    """`LLM(tensor_parallel_size=n, kernel="megakernel")`: the same tokens as one
+    device's XLA path, greedy and seeded sampling, with a draft model's trees."""
+    code = ENGINE_CHILD.format(tests=str(TESTS), tmp=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "OK" in proc.stdout.splitlines()[-1]
