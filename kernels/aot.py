@@ -42,9 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import xla_bridge
 
-from specdec.kernels import transformer
+from specdec.kernels import sharding, transformer
 from specdec.kernels.config import Architecture, ModelConfig, RopeScaling
-from specdec.kernels.megakernel import kernel, tuning
+from specdec.kernels.megakernel import kernel, shard, tuning
 from specdec.kernels.megakernel.tuning import MIB, BlockSizes
 from specdec.verify.batch import SamplingBatch
 from specdec.verify.tree import ChildSampling
@@ -106,48 +106,87 @@ class AotReport:
     steps_per_s: float  # read_bytes-bound ceiling at the chip's bandwidth
     acceptance_length: float
     tokens_per_s: float  # steps_per_s * acceptance_length * batch
-    resident_bytes: int = 0  # HBM the device holds: every weight + the K/V cache
+    resident_bytes: int = 0  # HBM one device holds: its weights + its K/V cache
     hbm_capacity_bytes: int = 0  # HBM per device
+    tp: int = 1  # devices the target is split over; byte counts above are per device
+    bytes_sent: int = 0  # per device per step: two all-reduces per layer + the argmax
+    collective_hops: int = 0  # dependent DMA rounds per step (2 per all-reduce, + 1)
+    ici_bytes_per_s: float = 0.0  # bidirectional, per chip (published)
+    steps_per_s_with_ici: float = 0.0  # HBM time + an upper bound on the exchange time
 
 
-def weight_read_bytes(cfg: ModelConfig, dtype, rows: int) -> int:
-    """HBM bytes of weights one step reads: every layer and the LM head, `rows` embeddings."""
+def split_model(cfg: ModelConfig, tp: int) -> tuple[ModelConfig, int]:
+    """What n devices hold of `cfg` (`megakernel.shard.prepare_params` on shapes): the
+    config with K/V heads repeated up to `tp`, and the LM head's padded width."""
+    if tp > cfg.num_kv_heads:
+        cfg = dataclasses.replace(cfg, num_kv_heads=tp)
+    return cfg, shard.padded_vocab(cfg.vocab_size, tp)
+
+
+def _param_shapes(cfg: ModelConfig, head_width: int) -> dict:
     shapes = transformer.param_shapes(cfg)
+    if cfg.tie_word_embeddings:
+        shapes["embed"] = (head_width, cfg.hidden_size)
+    else:
+        shapes["lm_head"] = (cfg.hidden_size, head_width)
+    return shapes
+
+
+def _per_device(cfg: ModelConfig, tp: int, dtype) -> dict:
+    """Leaf -> bytes one of `tp` devices holds (the cut of `sharding.param_specs`)."""
+    run, width = split_model(cfg, tp)
+    shapes = _param_shapes(run, width)
+    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+    structs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=is_shape)
+    specs = sharding.param_specs(run, structs, tp)
     itemsize = np.dtype(dtype).itemsize
-    total = sum(math.prod(s) for s in shapes["layers"].values()) + cfg.hidden_size
-    total += cfg.vocab_size * cfg.hidden_size  # LM head (the embedding table when tied)
-    total += rows * cfg.hidden_size  # embedding rows of the verify block
-    return total * itemsize
+    return jax.tree.map(
+        lambda s, spec: math.prod(s) * itemsize // (tp if sharding.AXIS in spec else 1),
+        shapes, specs, is_leaf=is_shape,
+    )  # fmt: skip
 
 
-def kv_read_bytes(cfg: ModelConfig, dtype, *, batch: int, context: int) -> int:
-    """HBM bytes of committed K and V one step reads (every layer and KV head)."""
-    per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(dtype).itemsize
-    return batch * context * per_pos
+def weight_read_bytes(cfg: ModelConfig, dtype, rows: int, tp: int = 1) -> int:
+    """HBM bytes of weights one device reads per step: its share of every layer and
+    of the LM head, the final norm and `rows` embeddings."""
+    held = _per_device(cfg, tp, dtype)
+    head = held["embed"] if cfg.tie_word_embeddings else held["lm_head"]
+    itemsize = np.dtype(dtype).itemsize
+    return sum(held["layers"].values()) + head + (1 + rows) * cfg.hidden_size * itemsize
 
 
-def resident_bytes(cfg: ModelConfig, dtype, *, batch: int, max_len: int) -> tuple[int, int]:
-    """HBM a one-device target holds: (every weight, the K/V cache of `batch` rows of
+def kv_read_bytes(cfg: ModelConfig, dtype, *, batch: int, context: int, tp: int = 1) -> int:
+    """HBM bytes of committed K and V one device reads per step (its K/V heads)."""
+    run, _ = split_model(cfg, tp)
+    per_pos = 2 * run.num_layers * run.num_kv_heads * run.head_dim * np.dtype(dtype).itemsize
+    return batch * context * per_pos // tp
+
+
+def resident_bytes(
+    cfg: ModelConfig, dtype, *, batch: int, max_len: int, tp: int = 1
+) -> tuple[int, int]:
+    """HBM one of `tp` devices holds: (its weights, its K/V cache of `batch` rows of
     `max_len` positions)."""
-    itemsize = np.dtype(dtype).itemsize
-    shapes = jax.tree.leaves(transformer.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-    weights = sum(math.prod(s) for s in shapes) * itemsize
-    return weights, kv_read_bytes(cfg, dtype, batch=batch, context=max_len)
+    weights = sum(jax.tree.leaves(_per_device(cfg, tp, dtype)))
+    return weights, kv_read_bytes(cfg, dtype, batch=batch, context=max_len, tp=tp)
 
 
-def check_device_memory(cfg, chip, dtype, *, batch: int, max_len: int, name: str = "") -> int:
+def check_device_memory(
+    cfg, chip, dtype, *, batch: int, max_len: int, name: str = "", tp: int = 1
+) -> int:
     """The HBM bytes one device holds (weights + K/V cache); refuses, before any
     compiling, a target whose bytes exceed the device's HBM (ValueError with both)."""
-    weights, kv = resident_bytes(cfg, dtype, batch=batch, max_len=max_len)
+    weights, kv = resident_bytes(cfg, dtype, batch=batch, max_len=max_len, tp=tp)
     cap = chip.hbm_bytes_per_device
     if weights + kv > cap:
         gib = tuning.GIB
+        where = "one device" if tp == 1 else f"each of {tp} devices"
         raise ValueError(
-            f"{name or 'this config'} needs {(weights + kv) / gib:.1f} GiB per device "
+            f"{name or 'this config'} needs {(weights + kv) / gib:.1f} GiB on {where} "
             f"({weights / gib:.1f} GiB of {np.dtype(dtype).name} weights + {kv / gib:.1f} GiB "
             f"of K/V cache for {batch} x {max_len} positions), more than the "
-            f"{cap / gib:.0f} GiB of HBM one {chip.name} device has; it needs a target "
-            "sharded over several devices."
+            f"{cap / gib:.0f} GiB of HBM one {chip.name} device has; split it over more "
+            "devices (--tp)."
         )
     return weights + kv
 
@@ -165,13 +204,13 @@ def compile_verify(
     block_overrides: dict | None = None,  # BlockSizes fields replacing the defaults
     with_sampling: bool = False,
     config_name: str = "",
+    tp: int = 1,  # devices of `topology` the target is split over (`megakernel.shard`)
 ) -> AotReport:
-    """Compiles the verify megakernel for one device of `topology`; never raises on a
-    compiler rejection (the report says why). Bad arguments raise ValueError."""
+    """Compiles the verify megakernel for `tp` devices of `topology` (one instance per
+    device, collectives inside); never raises on a compiler rejection (the report says
+    why). Bad arguments raise ValueError."""
     from jax.experimental import topologies
 
-    if cfg.is_moe:
-        raise ValueError("MoE targets use the XLA path; the megakernel covers dense models.")
     if tree_nodes < 0 or context < 0 or batch < 1 or acceptance_length < 1:
         raise ValueError(
             f"Need tree_nodes >= 0, context >= 0, batch >= 1, acceptance_length >= 1; got "
@@ -182,41 +221,56 @@ def compile_verify(
         topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
     except Exception as e:  # libtpu's own words on a bad topology string
         raise ValueError(f"Cannot describe TPU topology {topology!r}: {_reason(e)}") from None
-    device = topo.devices[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    if tp > len(topo.devices):
+        raise ValueError(
+            f"--tp {tp} needs {tp} devices; {topology} has {len(topo.devices)} (TPU7x shows "
+            "each chip's two TensorCores as two devices)."
+        )
+    shard.check_shardable(cfg, tp, tpu=True)
+    devices = topo.devices[:tp]
+    mesh = None if tp == 1 else jax.sharding.Mesh(np.array(devices), (sharding.AXIS,))
 
-    def sds(shape, dt):
-        return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+    def sds(shape, dt, spec=None):
+        if mesh is None:
+            return jax.ShapeDtypeStruct(shape, dt, sharding=jax.sharding.SingleDeviceSharding(
+                devices[0]))  # fmt: skip
+        spec = jax.sharding.PartitionSpec() if spec is None else spec
+        return jax.ShapeDtypeStruct(shape, dt, sharding=jax.sharding.NamedSharding(mesh, spec))
 
     wdtype = np.dtype(dtype)
     max_len = tuning.round_up(
         max(context + tree_nodes + 1, tuning.kv_write_rows(tree_nodes, wdtype)), 128
     )
     resident = check_device_memory(cfg, chip, wdtype, batch=batch, max_len=max_len,
-                                   name=config_name)  # fmt: skip
+                                   name=config_name, tp=tp)  # fmt: skip
+    run, width = split_model(cfg, tp)
+    local = shard.local_config(run, tp, width)
     limit = chip.vmem_bytes - tuning.VMEM_HEADROOM
     if block_sizes is None:  # the engine's own choice on this chip (`kernel.verify`)
         block_sizes = tuning.step_block_sizes(
-            cfg, chip, batch=batch, num_nodes=tree_nodes, weight_dtype=wdtype,
-            cache_dtype=wdtype, max_len=max_len,
+            local, chip, batch=batch, num_nodes=tree_nodes, weight_dtype=wdtype,
+            cache_dtype=wdtype, max_len=max_len, tp=tp,
         )  # fmt: skip
     if block_overrides:
         block_sizes = dataclasses.replace(block_sizes, **block_overrides)
     if block_sizes.vmem_limit_bytes is None:
         block_sizes = dataclasses.replace(block_sizes, vmem_limit_bytes=limit)
-    block_sizes.validate(cfg, max_len=max_len, tpu=True)
+    block_sizes.validate(local, max_len=max_len, tpu=True)
     buffers = tuning.vmem_buffers(
-        cfg, block_sizes, batch=batch, num_nodes=tree_nodes, weight_dtype=wdtype,
-        cache_dtype=wdtype,
+        local, block_sizes, batch=batch, num_nodes=tree_nodes, weight_dtype=wdtype,
+        cache_dtype=wdtype, tp=tp,
     )  # fmt: skip
 
-    params = jax.tree.map(
-        lambda s: sds(s, wdtype),
-        transformer.param_shapes(cfg),
-        is_leaf=lambda x: isinstance(x, tuple),
+    shapes = _param_shapes(run, width)
+    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+    structs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, wdtype), shapes, is_leaf=is_shape)
+    specs = sharding.param_specs(run, structs, tp)
+    params = jax.tree.map(lambda s, spec: sds(s, wdtype, spec), shapes, specs, is_leaf=is_shape)
+    cache_shape = (run.num_layers, batch, run.num_kv_heads, max_len, run.head_dim)
+    cspec = sharding.cache_spec(run, tp)
+    cache = transformer.KVCache(
+        k=sds(cache_shape, wdtype, cspec), v=sds(cache_shape, wdtype, cspec)
     )
-    cache_shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    cache = transformer.KVCache(k=sds(cache_shape, wdtype), v=sds(cache_shape, wdtype))
     i32, f32 = jnp.int32, jnp.float32
     tree = [sds((batch,), i32), sds((batch, tree_nodes), i32), sds((batch, tree_nodes), i32)]
     rows = [sds((batch,), i32), sds((batch,), i32)]  # slots, cache_lens
@@ -226,14 +280,21 @@ def compile_verify(
             min_p=sds((batch,), f32), seed=sds((batch,), jnp.uint32), counter=sds((batch,), i32),
         )  # fmt: skip
         fn = functools.partial(
-            kernel.verify.lower, cfg=cfg, child_sampling=ChildSampling.DETERMINISTIC_TOPK,
-            block_sizes=block_sizes,
+            kernel.verify.lower, cfg=run, child_sampling=ChildSampling.DETERMINISTIC_TOPK,
+            block_sizes=block_sizes, mesh=mesh,
         )  # fmt: skip
         args = (params, cache, *tree, None, *rows, sampling, sds((batch, tree_nodes + 1), f32))
         what = "verify step (megakernel + XLA sampling branch)"
     else:
         fn = jax.jit(
-            functools.partial(kernel._verify_call, cfg=cfg, bs=block_sizes, interpret=False)
+            functools.partial(
+                kernel._verify_call,
+                cfg=run,
+                local=local,
+                bs=block_sizes,
+                interpret=False,
+                mesh=mesh,
+            )  # fmt: skip
         ).lower
         args = (params, cache, *tree, *rows)
         what = "megakernel (greedy verify step)"
@@ -247,11 +308,19 @@ def compile_verify(
     elapsed = time.perf_counter() - start
 
     np_ = tuning.block_rows(tree_nodes, wdtype)
-    weights = weight_read_bytes(cfg, wdtype, batch * np_)
-    kv = kv_read_bytes(cfg, wdtype, batch=batch, context=context)
-    writes = kv_read_bytes(cfg, wdtype, batch=batch, context=tree_nodes + 1)
-    writes += batch * np_ * cfg.vocab_size * 4
-    steps = chip.hbm_bytes_per_s / (weights + kv)
+    weights = weight_read_bytes(cfg, wdtype, batch * np_, tp=tp)
+    kv = kv_read_bytes(cfg, wdtype, batch=batch, context=context, tp=tp)
+    writes = kv_read_bytes(cfg, wdtype, batch=batch, context=tree_nodes + 1, tp=tp)
+    writes += batch * np_ * width * 4 // tp
+    # One device alone may use the whole chip's bandwidth (the single-device report's
+    # ceiling); devices that split the model share it.
+    bandwidth = chip.hbm_bytes_per_s if tp == 1 else chip.hbm_bytes_per_s / chip.cores_per_chip
+    steps = bandwidth / (weights + kv)
+    sent = shard.step_bytes_sent(run, batch * np_, tp)
+    # Upper bound on the exchange time: every byte crosses ICI at this device's share of
+    # the chip's outgoing half (devices on one chip exchange on-chip, faster).
+    ici_share = chip.ici_bytes_per_s / 2 / chip.cores_per_chip
+    ici_s = sent / ici_share if sent and ici_share else 0.0
     vmem = tuning.vmem_bytes(buffers)
     fits = compiled and vmem + tuning.VMEM_HEADROOM <= chip.vmem_bytes
     if compiled and not fits:
@@ -260,7 +329,7 @@ def compile_verify(
             f"{tuning.VMEM_HEADROOM / MIB:.0f} MiB headroom of {chip.vmem_bytes / MIB:.0f} MiB"
         )
     return AotReport(
-        config=config_name, topology=topology, device_kind=device.device_kind,
+        config=config_name, topology=topology, device_kind=devices[0].device_kind,
         compiled=compiled, fits=fits, error=error, compile_s=elapsed, what=what, batch=batch,
         tree_nodes=tree_nodes, context=context, dtype=wdtype.name,
         block_sizes=dataclasses.asdict(block_sizes), vmem_bytes=vmem,
@@ -271,6 +340,9 @@ def compile_verify(
         tokens_per_s=steps * acceptance_length * batch,
         resident_bytes=resident,
         hbm_capacity_bytes=chip.hbm_bytes_per_device,
+        tp=tp, bytes_sent=sent, collective_hops=0 if tp == 1 else 4 * cfg.num_layers + 1,
+        ici_bytes_per_s=chip.ici_bytes_per_s,
+        steps_per_s_with_ici=1.0 / ((weights + kv) / bandwidth + ici_s),
     )  # fmt: skip
 
 
@@ -313,8 +385,28 @@ def format_report(rep: AotReport) -> str:
         f"  ceiling:      {rep.steps_per_s:.0f} steps/s, {rep.tokens_per_s:.0f} tokens/s (a "
         "PROJECTION from bytes and bandwidth, not a measurement) at "
         f"acceptance length {rep.acceptance_length:g} "
-        f"({rep.hbm_bytes_per_s / tb:.2f} TB/s per chip)",
+        + (
+            f"({rep.hbm_bytes_per_s / tb:.2f} TB/s per chip)"
+            if rep.tp == 1
+            else f"({rep.hbm_bytes_per_s / rep.cores_per_chip / tb:.2f} TB/s per device)"
+        ),
     ]
+    if rep.tp > 1:
+        tb_s = rep.bytes_sent * rep.steps_per_s_with_ici / tb
+        lines[1:1] = [
+            f"  devices:      {rep.tp} of the topology, one kernel instance each (tensor "
+            "parallel); HBM, VMEM and bytes below are per device"
+        ]
+        lines += [
+            f"  collectives:  {rep.bytes_sent / MIB:.2f} MiB sent per device per step in "
+            f"{rep.collective_hops} dependent DMA rounds (2 all-reduces per layer + argmax)",
+            f"  with ICI:     {rep.steps_per_s_with_ici:.0f} steps/s, "
+            f"{rep.steps_per_s_with_ici * rep.acceptance_length * rep.batch:.0f} tokens/s (a "
+            "PROJECTION: HBM time plus every byte sent over ICI at "
+            f"{rep.ici_bytes_per_s / tb:.2f} TB/s bidirectional per chip, no overlap, "
+            f"latency not counted; {tb_s:.3f} TB/s sent per device)",
+        ]
+        return "\n".join(lines)
     if rep.cores_per_chip > 1:
         core_steps = per_core_bw / rep.read_bytes
         lines.append(
@@ -343,6 +435,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--with-sampling", action="store_true", help="also compile the XLA sampling branch"
     )
+    ap.add_argument(
+        "--tp", type=int, default=1,
+        help="devices of the topology the target is split over (tensor parallel)",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     for field in ("proj_cols", "out_rows", "mlp_cols", "vocab_cols", "kv_rows"):
         ap.add_argument(f"--{field.replace('_', '-')}", type=int, help=f"BlockSizes.{field}")
@@ -380,6 +476,7 @@ def main(
             cfg, topology=args.topology, tree_nodes=args.tree_nodes, context=args.context,
             dtype=DTYPES[args.dtype], batch=args.batch, acceptance_length=args.acceptance_length,
             block_overrides=overrides, with_sampling=args.with_sampling, config_name=args.config,
+            tp=args.tp,
         )  # fmt: skip
     except ValueError as e:
         print(f"specdec aot: error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from specdec.checkpoint import config_to_hf, load_config
@@ -127,7 +128,7 @@ def test_device_memory_check_refuses_before_compiling(capsys):
     weights, kv = aot.resident_bytes(cfg, "bfloat16", batch=1, max_len=4224)
     assert 130 < weights / tuning.GIB < 133 and kv == 2 * 80 * 8 * 128 * 4224 * 2
     want = (
-        r"llama-3.1-70b needs 13\d\.\d GiB per device \(13\d\.\d GiB of bfloat16 "
+        r"llama-3.1-70b needs 13\d\.\d GiB on one device \(13\d\.\d GiB of bfloat16 "
         r"weights \+ 1\.\d GiB of K/V cache .*than the 96 GiB of HBM one tpu7x"
     )
     with pytest.raises(ValueError, match=want):
@@ -135,6 +136,9 @@ def test_device_memory_check_refuses_before_compiling(capsys):
                            config_name="llama-3.1-70b")  # fmt: skip
     assert aot.main(["--config", "llama-3.1-70b", "--topology", "tpu7x:2x2x1"]) == 2
     assert "more than the 96 GiB of HBM" in capsys.readouterr().err
+    # Split 8 ways, each device holds an eighth of the weights and of the K/V heads.
+    w8, kv8 = aot.resident_bytes(cfg, "bfloat16", batch=1, max_len=4224, tp=8)
+    assert abs(w8 - weights / 8) < 0.01 * weights / 8 and kv8 == kv // 8
     # The dense 32B preset (the seed's 27B size class) fits one TensorCore's HBM.
     w32, kv32 = aot.resident_bytes(aot.PRESETS["qwen3-32b"], "bfloat16", batch=1, max_len=4224)
     assert w32 + kv32 < tuning.CHIPS["tpu7x"].hbm_bytes_per_device
@@ -192,3 +196,36 @@ def test_engine_and_aot_choose_one_step():
         == rep.vmem_limit_bytes
         == eng_chip.vmem_bytes - tuning.VMEM_HEADROOM
     )
+
+
+@pytest.mark.parametrize("config,tp", [("demo-target", 2), ("qwen3-32b", 8), ("llama-3.1-70b", 8)])
+def test_tensor_parallel_megakernel_compiles_for_tpu7x(config, tp, capsys):
+    """The n-device kernel (remote DMAs, semaphores, shard_map) through libtpu's Mosaic
+    compiler: Llama-3.1-70B, which one TensorCore cannot hold, fits split 8 ways."""
+    from specdec.kernels.megakernel import shard
+
+    cfg = aot.PRESETS[config]
+    rep = aot.compile_verify(cfg, topology="tpu7x:2x2x1", tree_nodes=64, context=4096, tp=tp,
+                             config_name=config)  # fmt: skip
+    assert rep.compiled and rep.fits, rep.error
+    assert rep.tp == tp and rep.resident_bytes < rep.hbm_capacity_bytes
+    run, _ = aot.split_model(cfg, tp)
+    rows = tuning.block_rows(64, np.dtype("bfloat16"))
+    assert rep.bytes_sent == shard.step_bytes_sent(run, rows, tp) > 0
+    assert rep.collective_hops == 4 * cfg.num_layers + 1
+    assert 0 < rep.steps_per_s_with_ici < rep.steps_per_s
+    one = aot.weight_read_bytes(cfg, np.dtype("bfloat16"), rows)
+    assert rep.weight_bytes < one / tp * 1.05  # each device streams about 1/n of the weights
+    assert aot.main(["--config", config, "--tp", str(tp)]) == 0
+    out = capsys.readouterr().out
+    assert f"devices:      {tp} of the topology" in out and "PROJECTION" in out
+
+
+def test_tensor_parallel_bad_splits_are_refused(capsys):
+    assert aot.main(["--config", "llama-3.1-70b", "--tp", "16"]) == 2
+    assert "--tp 16 needs 16 devices; tpu7x:2x2x1 has 8" in capsys.readouterr().err
+    assert aot.main(["--config", "demo-target", "--tp", "3"]) == 2
+    assert "splits num_heads (8) 3 ways" in capsys.readouterr().err
+    # 512 / 8 = 64 columns per device: not whole 128-lane vectors on TPU.
+    assert aot.main(["--config", "demo-target", "--tp", "8"]) == 2
+    assert "must be a multiple of 128" in capsys.readouterr().err

@@ -36,6 +36,7 @@ class Chip:
     hbm_bytes_per_s: float  # HBM bandwidth per chip
     cores_per_chip: int  # TensorCores per chip; on TPU7x each is its own JAX device
     hbm_bytes: int  # HBM capacity per chip (each JAX device holds its share)
+    ici_bytes_per_s: float = 0.0  # bidirectional inter-chip interconnect bandwidth per chip
 
     @property
     def hbm_bytes_per_device(self) -> int:
@@ -43,12 +44,12 @@ class Chip:
 
 
 GIB = 1024 * MIB
-# Each chip's published VMEM, HBM bandwidth, TensorCores and HBM capacity (the
-# vendor's specification sheets, not measurements).
+# Each chip's published VMEM, HBM bandwidth, TensorCores, HBM capacity and ICI
+# bandwidth (the vendor's specification sheets and announcements, not measurements).
 CHIPS = {
-    "tpu7x": Chip("tpu7x", 64 * MIB, 7.37e12, 2, 192 * GIB),
-    "v6e": Chip("v6e", 128 * MIB, 1.64e12, 1, 32 * GIB),
-    "v5e": Chip("v5e", 128 * MIB, 0.82e12, 1, 16 * GIB),
+    "tpu7x": Chip("tpu7x", 64 * MIB, 7.37e12, 2, 192 * GIB, 1.2e12),
+    "v6e": Chip("v6e", 128 * MIB, 1.64e12, 1, 32 * GIB, 0.8e12),
+    "v5e": Chip("v5e", 128 * MIB, 0.82e12, 1, 16 * GIB, 0.4e12),
 }
 
 
