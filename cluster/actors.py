@@ -163,14 +163,15 @@ class TargetActor(_Host):
         )
         self.num_slots = num_slots
         self.max_tree_nodes = max_tree_nodes
-        logger.info("target on %s: %s", self.mesh, sharding.describe(self.cfg, self.mesh.size))
+        # What the devices hold: the megakernel's copy may repeat K/V heads (`shard`).
+        self.placement = sharding.describe(self.worker.runner.cfg, self.mesh.size)
+        logger.info("target on %s: %s", self.mesh, self.placement)
 
     def hello(self) -> bytes:
-        from specdec.kernels import sharding
 
         return self._info(
             vocab_size=self.cfg.vocab_size,
-            placement=sharding.describe(self.cfg, self.mesh.size),
+            placement=self.placement,
             dtype=self.dtype,
             kernel=self.worker.kernel,
         )

@@ -22,6 +22,7 @@ TPU slice (multi-host): name the topology; the group is reserved with
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Literal
 
@@ -103,6 +104,9 @@ class ClusterConfig:
             return {
                 "JAX_PLATFORMS": "cpu",
                 "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
+                # XLA's CPU thread pool (default: the cores): an interpreted megakernel's
+                # n instances wait on each other, so all n must run at once.
+                "NPROC": str(max(n, os.cpu_count() or 1)),
             }
 
         return cls(

@@ -121,6 +121,23 @@ def test_sharded_distributed_equals_in_process(sharded, prompts, reference):
     assert sharded.get_metrics()["acceptance_length"] > 2
 
 
+def test_megakernel_target_group_equals_in_process(ray_session, models, spec, prompts, reference):
+    """The target actor on a 4-device group runs the megakernel split 4 ways (interpret
+    mode here): the same tokens as the in-process, one-device XLA engine."""
+    llm = LLM(
+        models[0], cluster=config(ray_session, 4), max_model_len=MAX_LEN, max_num_seqs=8,
+        speculative_config=spec, kernel="megakernel",
+    )  # fmt: skip
+    try:
+        info = llm.engine.target.info
+        assert info["kernel"] == "megakernel" and len(info["devices"]) == 4
+        assert info["placement"]["wk"] == "split kv_heads / 4"  # 2 K/V heads repeated to 4
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert out == reference
+    finally:
+        llm.engine.target.cluster.shutdown()
+
+
 def test_overlap_on_off_identical(sharded, prompts, reference):
     drafter = sharded.engine.drafter
     figures = {}

@@ -26,7 +26,12 @@ from specdec.kernels.config import Architecture
 from specdec.kernels.megakernel import shard
 
 TESTS = Path(__file__).parent
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+# NPROC sizes XLA's CPU client thread pool (default: the machine's cores): the n kernel
+# instances wait on each other's DMAs, so all n must run at once or they deadlock.
+ENV = dict(
+    os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    NPROC="16",
+)  # fmt: skip
 
 
 def tp_check(*args: str) -> dict:
