@@ -296,10 +296,15 @@ def race_case(dtype):
 
 @pytest.mark.parametrize("mode", [pytest.param("on_wait", marks=pytest.mark.slow), "eager"])
 @pytest.mark.parametrize("dtype_name", ["f32", pytest.param("bf16", marks=pytest.mark.slow)])
-def test_no_races(mode, dtype_name):
+@pytest.mark.parametrize("rings", [(2, 2), (3, 6), (6, 3)])  # (weight_ring, mlp_ring)
+def test_no_races(mode, dtype_name, rings):
+    """Weight rings of any depth give the reference's answer with no DMA race: streams
+    of 1 to 4 tiles here, so a deep ring starts tiles two streams ahead, and rings of
+    different depths meet at the MLP's ends (a deeper ring's extra tiles start at once)."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
 
     cfg, args, blocks = race_case(DTYPES[dtype_name])
+    blocks = dataclasses.replace(blocks, weight_ring=rings[0], mlp_ring=rings[1])
     sampling, uniforms = SamplingBatch.make_dummy(2), np.zeros((2, 6), np.float32)
     ref = reference.verify(
         *args[:1], copy_cache(args[1]), *args[2:], sampling, uniforms, cfg=cfg, child_sampling=TOPK
@@ -312,6 +317,7 @@ def test_no_races(mode, dtype_name):
     jax.block_until_ready(out)
     assert tpu_interpret.races is not None and not tpu_interpret.races.races_found
     np.testing.assert_array_equal(out.bonus, ref.bonus)
+    np.testing.assert_array_equal(out.accepted_nodes, ref.accepted_nodes)
     np.testing.assert_allclose(out.logits, ref.logits, atol=LOGIT_TOL[dtype_name], rtol=0)
 
 

@@ -47,7 +47,7 @@ def assert_matches(found: dict, dtype: str) -> None:
     assert not found["races"], found
     assert found["paths_equal"] and found["bonus_equal"], found
     assert not found["nan_logits"], found
-    tol = 1e-4 if dtype == "f32" else 0.1  # a bf16 block reduced in another order
+    tol = 1e-4 if dtype == "f32" else 5e-2  # a bf16 block reduced in another order
     assert found["logit_err"] < tol and found["kv_err"] < tol, found
     assert found["accepted"] > 0, found  # the trees were built to be partly right
 
@@ -64,20 +64,26 @@ def test_a_missing_semaphore_wait_is_caught():
 
 
 CASES = [
-    # n, dtype, K/V heads (replicated when fewer than n), DMA mode, rows, config overrides
-    ("4", "f32", "2", "eager", "9", {}),
-    ("8", "f32", "1", "eager", "9", {}),
-    ("4", "bf16", "8", "on_wait", "4", {}),
-    ("2", "f32", "2", "on_wait", "4", {"attention_bias": True, "tie_word_embeddings": True}),
-    ("4", "f32", "4", "eager", "4", {"qk_norm": True, "vocab_size": 1000}),
-]
+    # n, dtype, K/V heads (replicated when fewer than n), DMA mode, rows, config overrides,
+    # (weight_ring, mlp_ring). 9 rows = every (tree, context) pair once.
+    ("4", "f32", "2", "eager", "9", {}, "2,2"),
+    ("8", "f32", "1", "eager", "9", {}, "3,5"),
+    ("8", "bf16", "8", "on_wait", "4", {}, "2,2"),
+    ("4", "bf16", "8", "on_wait", "4", {}, "3,6"),
+    ("2", "f32", "2", "on_wait", "4", {"attention_bias": True, "tie_word_embeddings": True},
+     "2,2"),
+    ("4", "f32", "4", "eager", "4", {"qk_norm": True, "vocab_size": 1000}, "4,2"),
+    ("2", "bf16", "1", "eager", "1", {}, "2,2"),
+]  # fmt: skip
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n,dtype,kv,mode,batch,config", CASES)
-def test_n_devices_match_the_reference(n, dtype, kv, mode, batch, config):
-    found = tp_check("--tp", n, "--dtype", dtype, "--kv-heads", kv, "--mode", mode,
-                     "--batch", batch, "--config", json.dumps(config))  # fmt: skip
+@pytest.mark.parametrize("n,dtype,kv,mode,batch,config,rings", CASES)
+def test_n_devices_match_the_reference(n, dtype, kv, mode, batch, config, rings):
+    found = tp_check(
+        "--tp", n, "--dtype", dtype, "--kv-heads", kv, "--mode", mode, "--batch", batch,
+        "--config", json.dumps(config), "--rings", rings,
+    )  # fmt: skip
     assert_matches(found, dtype)
 
 

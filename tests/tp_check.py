@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=9)
     ap.add_argument("--drop-wait", action="store_true", help="skip one semaphore wait")
     ap.add_argument("--config", default="{}", help="ModelConfig overrides, JSON")
+    ap.add_argument("--rings", default="2,2", help="weight_ring,mlp_ring")
     args = ap.parse_args()
     n, dtype = args.tp, DTYPES[args.dtype]
     overrides = dict(vocab_size=VOCAB, num_heads=8, head_dim=16, intermediate_size=256)
@@ -98,7 +99,9 @@ def main() -> None:
         from specdec.kernels.megakernel import collectives
 
         collectives.DROP_RECV_WAIT = True
-    blocks = BlockSizes(proj_cols=16, out_rows=16, mlp_cols=32, vocab_cols=96, kv_rows=128)
+    weight_ring, mlp_ring = (int(x) for x in args.rings.split(","))
+    blocks = BlockSizes(proj_cols=16, out_rows=16, mlp_cols=32, vocab_cols=96, kv_rows=128,
+                        weight_ring=weight_ring, mlp_ring=mlp_ring)  # fmt: skip
     ip = pltpu.InterpretParams(detect_races=True, dma_execution_mode=args.mode)
     out = kernel.verify(
         params_n, cache_n, roots, tokens, parents, None, slots, lens, sampling, uniforms,

@@ -18,19 +18,23 @@ Weight streaming: a manual DMA ring, not a grid. All weights stay in HBM
 head-major attention output needs no relayout: `x += sum_h attn_h @ wo_h`), and the
 MLP into intermediate-column tiles that carry the matching w_gate and w_up columns
 and w_down rows, so one fused step computes `x += (silu(h @ g_j) * (h @ u_j)) @ d_j`.
-Every stream owns a two-slot VMEM buffer and a DMA semaphore per slot. The order of
-tiles in a step is fixed:
+Every stream owns a ring of R VMEM tile buffers (`mlp_ring` for the MLP, which
+carries most of a layer's bytes; `weight_ring` for the others), with a DMA
+semaphore per slot. The order of tiles in a step is fixed:
 
     layer 0: qkv_0 .. qkv_{nq+2nk-1} | attention | o_0 .. o_{no-1} | mlp_0 .. mlp_{nf-1}
     layer 1: ...
     LM head: head_0 .. head_{nv-1} [head tail]
 
-and while tile t computes, tile t + 1 is in flight, across stream boundaries too:
-the last qkv tile starts o_0 (so wo arrives during attention), the last o tile
-starts mlp_0, and the last MLP tile of layer l starts qkv_0 of layer l + 1 (or the
-first LM-head tile), so the HBM queue never drains at a layer boundary. A grid over
-layers with BlockSpec pipelining would prefetch only whole layers, and one Qwen3-8B
-layer (~370 MiB of bf16 weights) is six times TPU7x's VMEM.
+and while tile t computes, tiles t + 1 .. t + R - 1 are in flight, across stream
+boundaries too: the last qkv tiles start o's first ones (so wo arrives during
+attention), the last o tiles start the MLP's, and the last MLP tiles of layer l start
+layer l + 1's qkv tiles (or the LM head's), so the HBM queue never drains at a layer
+boundary. Why R: by Little's law, keeping a TensorCore's HBM busy needs bandwidth x
+DMA latency bytes outstanding, several MiB, more than one tile of a small model
+(`tuning.step_block_sizes` picks the rings from the VMEM budget). A grid over layers with
+BlockSpec pipelining would prefetch only whole layers, and one Qwen3-8B layer
+(~370 MiB of bf16 weights) is six times TPU7x's VMEM.
 
 Attention, per sequence and KV head: the G = H / K query heads of the group are
 stacked on sublanes ([G * Np, hd]); the block part (root + nodes under the ancestor
@@ -336,11 +340,12 @@ def _device_call(
     for name, arr in vmem_in.items():  # the VMEM estimate must describe what we pass
         assert planned[name].shape == arr.shape, (name, planned[name].shape, arr.shape)
     scratch = [pltpu.VMEM(buf.shape, buf.dtype) for buf in buffers if buf.kind == "scratch"]
+    ring = bs.weight_ring
     sems = [
-        pltpu.SemaphoreType.DMA((2,)),  # qkv
-        pltpu.SemaphoreType.DMA((2,)),  # o
-        pltpu.SemaphoreType.DMA((3, 2)),  # mlp: gate, up, down
-        pltpu.SemaphoreType.DMA((2,)),  # LM head
+        pltpu.SemaphoreType.DMA((ring,)),  # qkv
+        pltpu.SemaphoreType.DMA((ring,)),  # o
+        pltpu.SemaphoreType.DMA((3, bs.mlp_ring)),  # mlp: gate, up, down
+        pltpu.SemaphoreType.DMA((ring,)),  # LM head
         pltpu.SemaphoreType.DMA((2,)),  # logits out
         pltpu.SemaphoreType.DMA((2, 2)),  # KV tiles: k / v x slot
         pltpu.SemaphoreType.DMA((2,)),  # KV writes: k / v
@@ -445,29 +450,75 @@ def _wait(copies):
         c.wait()
 
 
-def _stream(n, offset, copies, after, body, init=0):
-    """A fori_loop over n streamed tiles; tile j sits in buffer slot (offset + j) % 2.
+def _stream(n, offset, copies, body, *, ring, nxt=None, init=0):
+    """A fori_loop over n streamed tiles; tile j sits in ring slot (offset + j) % ring.
 
-    While tile j computes, tile j + 1 is in flight; the last tile starts `after()`, the
-    first tile of the next stream, so the DMA queue never drains between streams.
-    `copies(j, slot)` lists tile j's DMAs; `body(j, slot, carry)` consumes them.
+    On entry tiles 0 .. min(n, ring - 1) - 1 are in flight (started by the stream
+    before). Step j starts tile j + ring - 1 into the slot tile j - 1 freed, waits for
+    tile j and runs `body(j, slot, carry)`; past the end it starts the next stream's
+    first tiles instead (`nxt(k)`, from `_opener`), so that stream finds them in
+    flight and the DMA queue never drains. `copies(j, slot)` lists tile j's DMAs.
     """
+    ahead = ring - 1
+    if nxt is not None:
+        for k in range(ahead - n):  # shorter than the look-ahead: its successor starts now
+            nxt(k)
 
     def step(j, carry):
-        slot = jax.lax.rem(j + offset, 2)  # lax ops: jnp's // and % ask for a chip
+        slot = jax.lax.rem(j + offset, ring)  # lax ops: jnp's // and % ask for a chip
+        t = j + ahead
 
-        @pl.when(j + 1 < n)
+        @pl.when(t < n)
         def _():
-            _start(copies(j + 1, 1 - slot))
+            _start(copies(t, jax.lax.rem(t + offset, ring)))
 
-        @pl.when(j + 1 == n)
-        def _():
-            after()
+        if nxt is not None:
+
+            @pl.when(t >= n)
+            def _():
+                nxt(t - n)
 
         _wait(copies(j, slot))
         return body(j, slot, carry)
 
     return jax.lax.fori_loop(0, n, step, init)
+
+
+def _opener(copies, offset, n, ring, prev_ahead):
+    """nxt(k) for `_stream`: starts tile k of a stream of n tiles (its ring has `ring`
+    slots, offset `offset`) when that stream expects it in flight on entry.
+
+    The stream before calls nxt(0) .. nxt(prev_ahead - 1) (its look-ahead past its
+    end); when this stream's ring is deeper, the last call also starts the tiles
+    beyond, so the stream always enters with min(n, ring - 1) tiles in flight.
+    """
+    first = min(n, ring - 1)
+
+    def start(k):
+        slot = (k + offset) % ring if isinstance(k, int) else jax.lax.rem(k + offset, ring)
+        _start(copies(k, slot))
+
+    def nxt(k):
+        if isinstance(k, int):
+            if k < first:
+                start(k)
+            if k == prev_ahead - 1:
+                for extra in range(prev_ahead, first):
+                    start(extra)
+            return
+
+        @pl.when(k < first)
+        def _():
+            start(k)
+
+        if first > prev_ahead:
+
+            @pl.when(k == prev_ahead - 1)
+            def _():
+                for extra in range(prev_ahead, first):
+                    start(extra)
+
+    return nxt
 
 
 def _kernel(*refs, p, names):
@@ -540,18 +591,23 @@ def _kernel(*refs, p, names):
         return copies
 
     # ---- one decoder layer
+    ring, mlp_ring = bs.weight_ring, bs.mlp_ring  # qkv / o / LM head rings; the MLP's
+
+    def open_q(li, prev_ahead):
+        return _opener(proj_copies("wq", li), 0, nq, ring, prev_ahead)
+
     def layer(li, carry):
         r.h_ref[...] = _rms(r.x_ref[...], r.attn_norm_ref[pl.ds(li, 1), :], eps).astype(p.wdtype)
         qkv = [("q", nq), ("k", nk), ("v", nk)]
-        offset = 0
+        offset = 0  # q, k and v share one ring
         for idx, (name, n) in enumerate(qkv):
             if idx + 1 < len(qkv):
-                nxt, nxt_off = proj_copies(f"w{qkv[idx + 1][0]}", li), offset + n
-                after = functools.partial(lambda c, o: _start(c(0, o % 2)), nxt, nxt_off)
+                nxt = _opener(proj_copies(f"w{qkv[idx + 1][0]}", li), offset + n, qkv[idx + 1][1],
+                              ring, ring - 1)  # fmt: skip
             else:
-                after = functools.partial(lambda c: _start(c(0, 0)), o_copies(li))
+                nxt = _opener(o_copies(li), 0, no, ring, ring - 1)
             body = functools.partial(_project, r, p, li, name)
-            _stream(n, offset, proj_copies(f"w{name}", li), after, body)
+            _stream(n, offset, proj_copies(f"w{name}", li), body, ring=ring, nxt=nxt)
             offset += n
 
         jax.lax.fori_loop(0, p.B, functools.partial(_attend_row, r, p, li), 0)
@@ -567,18 +623,19 @@ def _kernel(*refs, p, names):
             return c
 
         start_update()
-        _stream(no, 0, o_copies(li), lambda: _start(mlp_copies(li)(0, 0)), o_tile)
-        reduce_into_x()  # mlp_0 is already in flight
+        nxt = _opener(mlp_copies(li), 0, nf, mlp_ring, ring - 1)
+        _stream(no, 0, o_copies(li), o_tile, ring=ring, nxt=nxt)
+        reduce_into_x()  # the first MLP tiles are already in flight
         r.h_ref[...] = _rms(r.x_ref[...], r.mlp_norm_ref[pl.ds(li, 1), :], eps).astype(p.wdtype)
 
-        def next_layer_or_head():
+        def next_layer_or_head(k):
             @pl.when(li + 1 < p.L)
             def _():
-                _start(proj_copies("wq", li + 1)(0, 0))
+                open_q(li + 1, mlp_ring - 1)(k)
 
             @pl.when(li + 1 == p.L)
             def _():
-                _start(head_copies(tv)(0, 0))
+                open_head(k)
 
         def mlp_tile(j, slot, c):
             hx = r.h_ref[...]
@@ -589,12 +646,18 @@ def _kernel(*refs, p, names):
             return c
 
         start_update()
-        _stream(nf, 0, mlp_copies(li), next_layer_or_head, mlp_tile)
-        reduce_into_x()  # the next layer's first tile is already in flight
+        _stream(nf, 0, mlp_copies(li), mlp_tile, ring=mlp_ring, nxt=next_layer_or_head)
+        reduce_into_x()  # the next layer's first tiles are already in flight
         return carry
 
+    open_head = _opener(head_copies(tv), 0, nv, ring, mlp_ring - 1)
+    open_tail = None
+    if v_tail:  # a one-tile stream after the full-width ones: its tile 0 is tile nv
+        tail = lambda k, slot: head_copies(v_tail)(k + nv, slot)  # noqa: E731
+        open_tail = _opener(tail, nv, 1, ring, ring - 1)
     r.x_ref[...] = r.x0_ref[...]
-    _start(proj_copies("wq", 0)(0, 0))
+    for k in range(ring - 1):
+        open_q(0, ring - 1)(k)
     if p.tp > 1:  # no remote DMA into a device that has not entered the kernel
         collectives.barrier(me, p.tp)
     jax.lax.fori_loop(0, p.L, layer, 0)
@@ -602,12 +665,13 @@ def _kernel(*refs, p, names):
     # ---- LM head over vocabulary tiles, running (max, argmax) per row
     r.h_ref[...] = _rms(r.x_ref[...], r.final_norm_ref[...], eps).astype(p.wdtype)
 
-    def out_copy(j, slot, width):
+    def out_copy(j, width):  # staged through a two-slot buffer, slot j % 2
         col = pl.ds(_aligned(j * tv, tv), width)
+        stage = j % 2 if isinstance(j, int) else jax.lax.rem(j, 2)
         return pltpu.make_async_copy(
-            r.logits_buf_ref.at[slot, :, pl.ds(0, width)],
+            r.logits_buf_ref.at[stage, :, pl.ds(0, width)],
             r.logits_hbm.at[:, col],
-            r.out_sem.at[slot],
+            r.out_sem.at[stage],
         )
 
     def head_tile(width):
@@ -620,10 +684,11 @@ def _kernel(*refs, p, names):
 
             @pl.when(j >= 2)  # the staging slot is free once tile j - 2 reached HBM
             def _():
-                out_copy(j - 2, slot, tv).wait()
+                out_copy(j - 2, tv).wait()
 
-            r.logits_buf_ref[slot, :, pl.ds(0, width)] = y
-            out_copy(j, slot, width).start()
+            stage = j % 2 if isinstance(j, int) else jax.lax.rem(j, 2)
+            r.logits_buf_ref[stage, :, pl.ds(0, width)] = y
+            out_copy(j, width).start()
             ids = _iota(y.shape, 1) + j * tv + me * p.V  # this device's vocabulary
             if p.V * p.tp != p.vocab:  # padded columns never win
                 y = jnp.where(ids < p.vocab, y, -jnp.inf)
@@ -634,16 +699,15 @@ def _kernel(*refs, p, names):
 
         return body
 
-    after = (lambda: _start(head_copies(v_tail)(nv, nv % 2))) if v_tail else (lambda: None)
     init = (jnp.full((p.M, 1), -jnp.inf, jnp.float32), jnp.zeros((p.M, 1), jnp.int32))
-    carry = _stream(nv, 0, head_copies(tv), after, head_tile(tv), init)
+    carry = _stream(nv, 0, head_copies(tv), head_tile(tv), ring=ring, nxt=open_tail, init=init)
     widths = [tv] * nv
-    if v_tail:
-        _wait(head_copies(v_tail)(nv, nv % 2))
-        carry = head_tile(v_tail)(nv, nv % 2, carry)
+    if v_tail:  # the tail tile is in flight (`open_tail`), in ring slot nv % ring
+        _wait(head_copies(v_tail)(nv, nv % ring))
+        carry = head_tile(v_tail)(nv, nv % ring, carry)
         widths.append(v_tail)
     for j in range(max(0, len(widths) - 2), len(widths)):  # the copies still in flight
-        out_copy(j, j % 2, widths[j]).wait()
+        out_copy(j, widths[j]).wait()
     if p.tp > 1:
         carry = collectives.global_argmax(*carry, r.amx_ref, r.coll_sem, me, p.tp)
     r.argmax_ref[...] = carry[1]

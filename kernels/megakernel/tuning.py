@@ -77,6 +77,8 @@ class BlockSizes:
     mlp_cols: int = 256  # intermediate columns per tile (w_gate, w_up cols; w_down rows)
     vocab_cols: int = 512  # LM-head columns per tile; a shorter last tile covers the rest
     kv_rows: int = 512  # committed cache positions per attention tile
+    weight_ring: int = 2  # VMEM tiles of the qkv / o / LM-head rings (ring - 1 in flight)
+    mlp_ring: int = 2  # VMEM tiles of the MLP ring (gate + up + down per tile)
     vmem_limit_bytes: int | None = None  # Mosaic's VMEM limit; None = the compiler default
 
     def __post_init__(self):
@@ -84,6 +86,13 @@ class BlockSizes:
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"BlockSizes.{field} must be a positive integer, got {value!r}.")
+        for field in ("weight_ring", "mlp_ring"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 2:
+                raise ValueError(
+                    f"BlockSizes.{field} must be an integer >= 2 (a tile computing while the "
+                    f"next arrives), got {value!r}."
+                )
         if self.vmem_limit_bytes is not None and self.vmem_limit_bytes < MIB:
             raise ValueError(
                 f"BlockSizes.vmem_limit_bytes must be at least 1 MiB, got {self.vmem_limit_bytes}."
@@ -199,7 +208,7 @@ def vmem_buffers(
     d, hd, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
     h, k = cfg.num_heads, cfg.num_kv_heads
     qd, kvd = h * hd, k * hd
-    tv = bs.vocab_cols
+    tv, ring = bs.vocab_cols, bs.weight_ring
     head_tile = (tv, d) if cfg.tie_word_embeddings else (d, tv)
     bufs = [
         Buffer("x0", (m, d), f32, "input"),
@@ -215,11 +224,11 @@ def vmem_buffers(
         Buffer("final_norm", (1, d), f32, "input"),
     ]
     if cfg.attention_bias:
-        tp = bs.proj_cols  # one sublane row per tile: the kernel picks row j of tile j
+        pc = bs.proj_cols  # one sublane row per tile: the kernel picks row j of tile j
         bufs += [
-            Buffer("bq", (L, qd // tp, tp), f32, "input"),
-            Buffer("bk", (L, kvd // tp, tp), f32, "input"),
-            Buffer("bv", (L, kvd // tp, tp), f32, "input"),
+            Buffer("bq", (L, qd // pc, pc), f32, "input"),
+            Buffer("bk", (L, kvd // pc, pc), f32, "input"),
+            Buffer("bv", (L, kvd // pc, pc), f32, "input"),
         ]
     if cfg.qk_norm:
         bufs += [Buffer("q_norm", (L, hd), f32, "input"), Buffer("k_norm", (L, hd), f32, "input")]
@@ -232,12 +241,12 @@ def vmem_buffers(
         Buffer("k", (k, m, hd), f32, "scratch"),
         Buffer("v", (k, m, hd), f32, "scratch"),
         Buffer("attn", (h, m, hd), wdt, "scratch"),  # attention output, head-major
-        Buffer("qkv_buf", (2, d, bs.proj_cols), wdt, "scratch"),
-        Buffer("o_buf", (2, bs.out_rows, d), wdt, "scratch"),
-        Buffer("gate_buf", (2, d, bs.mlp_cols), wdt, "scratch"),
-        Buffer("up_buf", (2, d, bs.mlp_cols), wdt, "scratch"),
-        Buffer("down_buf", (2, bs.mlp_cols, d), wdt, "scratch"),
-        Buffer("head_buf", (2, *head_tile), wdt, "scratch"),
+        Buffer("qkv_buf", (ring, d, bs.proj_cols), wdt, "scratch"),
+        Buffer("o_buf", (ring, bs.out_rows, d), wdt, "scratch"),
+        Buffer("gate_buf", (bs.mlp_ring, d, bs.mlp_cols), wdt, "scratch"),
+        Buffer("up_buf", (bs.mlp_ring, d, bs.mlp_cols), wdt, "scratch"),
+        Buffer("down_buf", (bs.mlp_ring, bs.mlp_cols, d), wdt, "scratch"),
+        Buffer("head_buf", (ring, *head_tile), wdt, "scratch"),
         Buffer("logits_buf", (2, m, tv), f32, "scratch"),
         Buffer("kbuf", (2, bs.kv_rows, hd), cdt, "scratch"),
         Buffer("vbuf", (2, bs.kv_rows, hd), cdt, "scratch"),
@@ -297,16 +306,20 @@ def default_block_sizes(
     max_len: int,
     vmem_budget: int = 48 * MIB,
     tp: int = 1,
+    weight_ring: int = 2,
+    mlp_ring: int = 2,
 ) -> BlockSizes:
-    """The largest TPU-aligned tiles whose buffers fit `vmem_budget` bytes.
+    """The largest TPU-aligned tiles whose buffers (rings of `weight_ring` / `mlp_ring`
+    tiles) fit `vmem_budget` bytes.
 
     Starts from 512-column weight tiles, 2048-column LM-head tiles and 512-row KV
-    tiles, then halves the biggest double buffer until everything fits (or every tile
-    is at its minimum, in which case the compiler gets the final word).
+    tiles, then halves the tile of the biggest ring until everything fits (or every
+    tile is at its minimum, in which case the compiler gets the final word).
     """
     hd, kvd = cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     proj_q = math.lcm(hd, LANES)
     caps = {"proj_cols": 512, "out_rows": 512, "mlp_cols": 512, "vocab_cols": 2048}
+    floor = {"proj_cols": proj_q, "out_rows": max(hd, 16), "mlp_cols": LANES, "vocab_cols": LANES}
 
     def build(caps):
         kv_rows = min(512, max_len - max_len % 16) or max_len
@@ -316,6 +329,8 @@ def default_block_sizes(
             mlp_cols=_largest_tile(cfg.intermediate_size, caps["mlp_cols"], LANES),
             vocab_cols=_vocab_tile(cfg.vocab_size, caps["vocab_cols"]),
             kv_rows=kv_rows,
+            weight_ring=weight_ring,
+            mlp_ring=mlp_ring,
         )
 
     def total(bs):
@@ -327,26 +342,37 @@ def default_block_sizes(
         )  # fmt: skip
 
     bs = build(caps)
+    stuck = set()  # tiles that cannot get smaller (no smaller divisor of the dimension)
     while total(bs) > vmem_budget:
+        d = cfg.hidden_size
         sizes = {
-            "proj_cols": 2 * cfg.hidden_size * bs.proj_cols,
-            "out_rows": 2 * cfg.hidden_size * bs.out_rows,
-            "mlp_cols": 6 * cfg.hidden_size * bs.mlp_cols,
-            "vocab_cols": 2 * cfg.hidden_size * bs.vocab_cols,
+            "proj_cols": weight_ring * d * bs.proj_cols,
+            "out_rows": weight_ring * d * bs.out_rows,
+            "mlp_cols": mlp_ring * 3 * d * bs.mlp_cols,
+            "vocab_cols": weight_ring * d * bs.vocab_cols,
         }
-        floor = {"out_rows": max(hd, 16)}
-        shrinkable = [f for f in sizes if caps[f] > floor.get(f, LANES)]
+        shrinkable = [f for f in sizes if f not in stuck and getattr(bs, f) > floor[f]]
         if not shrinkable:
             break
         field = max(shrinkable, key=sizes.get)
-        caps[field] = min(caps[field], getattr(bs, field)) // 2
-        bs = build(caps)
+        trial_caps = dict(caps, **{field: getattr(bs, field) // 2})
+        trial = build(trial_caps)
+        if getattr(trial, field) >= getattr(bs, field):
+            stuck.add(field)
+            continue
+        caps, bs = trial_caps, trial
     return bs
 
 
-# VMEM kept back from the tiles' double buffers when choosing block sizes: the
-# kernel's row-sized scratch and Mosaic's own use grow with the batch.
+# VMEM kept back from the tiles' rings when choosing block sizes: the kernel's
+# row-sized scratch and Mosaic's own use grow with the batch.
 STREAM_RESERVE = 8 * MIB
+# Weight bytes to keep in flight during the MLP stream (most of a layer's bytes). By
+# Little's law a TensorCore streaming ~3.7 TB/s with DMAs taking a few microseconds
+# needs several MiB outstanding; the published TPU7x megakernel keeps 24 MiB (12 x 2
+# MiB buffers). The deepest ring tried is MAX_WEIGHT_RING.
+IN_FLIGHT_TARGET = 24 * MIB
+MAX_WEIGHT_RING = 12
 # A chip's device_kind (as JAX reports it) -> its CHIPS entry.
 DEVICE_KINDS = {"tpu7x": "tpu7x", "tpu v6 lite": "v6e", "tpu v6e": "v6e", "tpu v5 lite": "v5e"}
 DEFAULT_CHIP = "tpu7x"  # what interpret mode on a CPU host sizes its tiles for
@@ -381,9 +407,48 @@ def step_block_sizes(
     engine (`kernel.verify` without block sizes) and `specdec aot` both make, so the
     program compiled ahead of time is the one the engine runs. Tiles fit the chip's
     VMEM less `STREAM_RESERVE`; the compiler's limit is the VMEM less `VMEM_HEADROOM`."""
-    bs = default_block_sizes(
-        cfg, batch=batch, num_nodes=num_nodes, weight_dtype=weight_dtype,
-        cache_dtype=cache_dtype, max_len=max_len, vmem_budget=chip.vmem_bytes - STREAM_RESERVE,
-        tp=tp,
-    )  # fmt: skip
-    return dataclasses.replace(bs, vmem_limit_bytes=chip.vmem_bytes - VMEM_HEADROOM)
+    budget = chip.vmem_bytes - STREAM_RESERVE
+    best = None
+    for weight_ring in range(2, 5):
+        for mlp_ring in range(2, MAX_WEIGHT_RING + 1):
+            bs = default_block_sizes(
+                cfg, batch=batch, num_nodes=num_nodes, weight_dtype=weight_dtype,
+                cache_dtype=cache_dtype, max_len=max_len, vmem_budget=budget, tp=tp,
+                weight_ring=weight_ring, mlp_ring=mlp_ring,
+            )  # fmt: skip
+            used = vmem_bytes(
+                vmem_buffers(cfg, bs, batch=batch, num_nodes=num_nodes,
+                             weight_dtype=weight_dtype, cache_dtype=cache_dtype, tp=tp)
+            )  # fmt: skip
+            if used > budget and best is not None:
+                break  # deeper rings fit no better
+            ahead = weight_bytes_in_flight(cfg, bs, weight_dtype)
+            others = min(ahead["qkv"], ahead["o"], ahead["head"])
+            # MLP bytes in flight first (most of a layer), then the other streams', then
+            # wider MLP tiles (fewer loop steps per byte).
+            key = (
+                min(ahead["mlp"], IN_FLIGHT_TARGET),
+                min(others, IN_FLIGHT_TARGET // 4),
+                bs.mlp_cols,
+            )
+            if best is None or key > best[0]:
+                best = (key, bs)
+            if ahead["mlp"] >= IN_FLIGHT_TARGET:
+                break
+    return dataclasses.replace(best[1], vmem_limit_bytes=chip.vmem_bytes - VMEM_HEADROOM)
+
+
+def weight_bytes_in_flight(cfg: ModelConfig, bs: BlockSizes, weight_dtype) -> dict[str, int]:
+    """Bytes of weight DMAs outstanding while each stream computes a tile: the
+    `weight_ring - 1` tiles ahead of it (`kernel._stream`). `cfg` is one device's part."""
+    d, item = cfg.hidden_size, np.dtype(weight_dtype).itemsize
+    tile = {
+        "qkv": d * bs.proj_cols,
+        "o": bs.out_rows * d,
+        "mlp": 3 * d * bs.mlp_cols,  # w_gate and w_up columns, w_down rows
+        "head": d * min(bs.vocab_cols, cfg.vocab_size),
+    }
+    return {
+        name: ((bs.mlp_ring if name == "mlp" else bs.weight_ring) - 1) * n * item
+        for name, n in tile.items()
+    }
