@@ -113,6 +113,7 @@ class AotReport:
     collective_hops: int = 0  # dependent DMA rounds per step (2 per all-reduce, + 1)
     ici_bytes_per_s: float = 0.0  # bidirectional, per chip (published)
     steps_per_s_with_ici: float = 0.0  # HBM time + an upper bound on the exchange time
+    weight_bytes_in_flight: dict = dataclasses.field(default_factory=dict)  # per stream
 
 
 def split_model(cfg: ModelConfig, tp: int) -> tuple[ModelConfig, int]:
@@ -343,6 +344,7 @@ def compile_verify(
         tp=tp, bytes_sent=sent, collective_hops=0 if tp == 1 else 4 * cfg.num_layers + 1,
         ici_bytes_per_s=chip.ici_bytes_per_s,
         steps_per_s_with_ici=1.0 / ((weights + kv) / bandwidth + ici_s),
+        weight_bytes_in_flight=tuning.weight_bytes_in_flight(local, block_sizes, wdtype),
     )  # fmt: skip
 
 
@@ -372,8 +374,11 @@ def format_report(rep: AotReport) -> str:
     if rep.error:
         lines.append(f"  reason:       {rep.error}")
     per_core_bw = rep.hbm_bytes_per_s / rep.cores_per_chip
+    flight = ", ".join(f"{k} {v / MIB:.1f}" for k, v in rep.weight_bytes_in_flight.items())
     lines += [
         f"  block sizes:  {bs}",
+        f"  in flight:    {rep.weight_bytes_in_flight.get('mlp', 0) / MIB:.1f} MiB of MLP weight "
+        f"DMAs ahead of the tile computing (MiB per stream: {flight})",
         f"  VMEM:         {vmem:.1f} MiB explicit of {rep.vmem_capacity_bytes / MIB:.0f} MiB per "
         f"TensorCore (limit {rep.vmem_limit_bytes / MIB:.1f} MiB, "
         f"{spare})",
@@ -418,6 +423,11 @@ def format_report(rep: AotReport) -> str:
     return "\n".join(lines)
 
 
+BLOCK_FIELDS = (
+    "proj_cols", "out_rows", "mlp_cols", "vocab_cols", "kv_rows", "weight_ring", "mlp_ring",
+)  # fmt: skip
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="specdec aot", description="Compile the verify megakernel for a TPU topology."
@@ -440,7 +450,7 @@ def _parser() -> argparse.ArgumentParser:
         help="devices of the topology the target is split over (tensor parallel)",
     )  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
-    for field in ("proj_cols", "out_rows", "mlp_cols", "vocab_cols", "kv_rows"):
+    for field in BLOCK_FIELDS:
         ap.add_argument(f"--{field.replace('_', '-')}", type=int, help=f"BlockSizes.{field}")
     return ap
 
@@ -467,11 +477,7 @@ def main(
             )
         else:
             cfg = load_config(args.config)
-        overrides = {
-            f: getattr(args, f)
-            for f in ("proj_cols", "out_rows", "mlp_cols", "vocab_cols", "kv_rows")
-            if getattr(args, f) is not None
-        }
+        overrides = {f: getattr(args, f) for f in BLOCK_FIELDS if getattr(args, f) is not None}
         report = compile_verify(
             cfg, topology=args.topology, tree_nodes=args.tree_nodes, context=args.context,
             dtype=DTYPES[args.dtype], batch=args.batch, acceptance_length=args.acceptance_length,

@@ -364,9 +364,11 @@ def default_block_sizes(
     return bs
 
 
-# VMEM kept back from the tiles' rings when choosing block sizes: the kernel's
-# row-sized scratch and Mosaic's own use grow with the batch.
+# VMEM kept back from the tiles' rings when choosing block sizes, for Mosaic's own
+# use: a fixed part, plus ROW_TEMPORARIES f32 [rows, hidden] values (the residual
+# updates' temporaries), which grow with the batch and the model width.
 STREAM_RESERVE = 8 * MIB
+ROW_TEMPORARIES = 2
 # Weight bytes to keep in flight during the MLP stream (most of a layer's bytes). By
 # Little's law a TensorCore streaming ~3.7 TB/s with DMAs taking a few microseconds
 # needs several MiB outstanding; the published TPU7x megakernel keeps 24 MiB (12 x 2
@@ -406,8 +408,9 @@ def step_block_sizes(
     """The block sizes and VMEM limit of the verify step on `chip`: the one choice the
     engine (`kernel.verify` without block sizes) and `specdec aot` both make, so the
     program compiled ahead of time is the one the engine runs. Tiles fit the chip's
-    VMEM less `STREAM_RESERVE`; the compiler's limit is the VMEM less `VMEM_HEADROOM`."""
-    budget = chip.vmem_bytes - STREAM_RESERVE
+    VMEM less the reserve above; the compiler's limit is the VMEM less `VMEM_HEADROOM`."""
+    rows = batch * block_rows(num_nodes, weight_dtype)
+    budget = chip.vmem_bytes - STREAM_RESERVE - ROW_TEMPORARIES * rows * cfg.hidden_size * 4
     best = None
     for weight_ring in range(2, 5):
         for mlp_ring in range(2, MAX_WEIGHT_RING + 1):
