@@ -436,8 +436,8 @@ def step_block_sizes(
             )
             if best is None or key > best[0]:
                 best = (key, bs)
-            if ahead["mlp"] >= IN_FLIGHT_TARGET:
-                break
+            if ahead["mlp"] >= IN_FLIGHT_TARGET or mlp_ring > cfg.intermediate_size // bs.mlp_cols:
+                break  # enough, or as deep as the MLP stream is long
     return dataclasses.replace(best[1], vmem_limit_bytes=chip.vmem_bytes - VMEM_HEADROOM)
 
 
@@ -445,13 +445,15 @@ def weight_bytes_in_flight(cfg: ModelConfig, bs: BlockSizes, weight_dtype) -> di
     """Bytes of weight DMAs outstanding while each stream computes a tile: the
     `weight_ring - 1` tiles ahead of it (`kernel._stream`). `cfg` is one device's part."""
     d, item = cfg.hidden_size, np.dtype(weight_dtype).itemsize
-    tile = {
-        "qkv": d * bs.proj_cols,
-        "o": bs.out_rows * d,
-        "mlp": 3 * d * bs.mlp_cols,  # w_gate and w_up columns, w_down rows
-        "head": d * min(bs.vocab_cols, cfg.vocab_size),
+    qkv_cols = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    tile = {  # (elements per tile, tiles per stream)
+        "qkv": (d * bs.proj_cols, qkv_cols // bs.proj_cols),
+        "o": (bs.out_rows * d, cfg.num_heads * cfg.head_dim // bs.out_rows),
+        "mlp": (3 * d * bs.mlp_cols, cfg.intermediate_size // bs.mlp_cols),  # gate, up, down
+        "head": (d * min(bs.vocab_cols, cfg.vocab_size), -(-cfg.vocab_size // bs.vocab_cols)),
     }
-    return {
-        name: ((bs.mlp_ring if name == "mlp" else bs.weight_ring) - 1) * n * item
-        for name, n in tile.items()
-    }
+    out = {}
+    for name, (elems, tiles) in tile.items():
+        ring = bs.mlp_ring if name == "mlp" else bs.weight_ring
+        out[name] = min(ring - 1, tiles) * elems * item  # a stream holds no more than its tiles
+    return out
