@@ -105,8 +105,9 @@ class ClusterConfig:
                 "JAX_PLATFORMS": "cpu",
                 "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
                 # XLA's CPU thread pool (default: the cores): an interpreted megakernel's
-                # n instances wait on each other, so all n must run at once.
-                "NPROC": str(max(n, os.cpu_count() or 1)),
+                # n instances block on each other while their callbacks still need
+                # the pool, so it must be several times n.
+                "NPROC": str(max(4 * n, os.cpu_count() or 1)),
             }
 
         return cls(

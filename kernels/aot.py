@@ -281,7 +281,7 @@ def compile_verify(
             min_p=sds((batch,), f32), seed=sds((batch,), jnp.uint32), counter=sds((batch,), i32),
         )  # fmt: skip
         fn = functools.partial(
-            kernel.verify.lower, cfg=run, child_sampling=ChildSampling.DETERMINISTIC_TOPK,
+            kernel._verify.lower, cfg=run, child_sampling=ChildSampling.DETERMINISTIC_TOPK,
             block_sizes=block_sizes, mesh=mesh,
         )  # fmt: skip
         args = (params, cache, *tree, None, *rows, sampling, sds((batch, tree_nodes + 1), f32))

@@ -27,10 +27,11 @@ from specdec.kernels.megakernel import shard
 
 TESTS = Path(__file__).parent
 # NPROC sizes XLA's CPU client thread pool (default: the machine's cores): the n kernel
-# instances wait on each other's DMAs, so all n must run at once or they deadlock.
+# instances block on each other's DMAs while their callbacks still need the pool, so
+# with fewer threads than a few times n they deadlock.
 ENV = dict(
     os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
-    NPROC="16",
+    NPROC="32",
 )  # fmt: skip
 
 
@@ -193,6 +194,20 @@ ENGINE_CHILD = textwrap.dedent(
         _, expect = run(params, prompts[:4], kernel="xla")
         _, got = run(params, prompts[:4], kernel="megakernel", tensor_parallel_size=2)
         assert got == expect, (params, got, expect)
+    # Weights split over devices handed to the kernel without its mesh: refused.
+    import jax
+    from specdec.checkpoint import load_model
+    from specdec.kernels import megakernel, sharding
+    from specdec.kernels.transformer import KVCache
+    cfg, params = load_model(d)
+    mesh = sharding.make_mesh(jax.devices()[:2])
+    split = sharding.shard_params(cfg, params, mesh)
+    try:
+        megakernel.verify(split, KVCache.create(cfg, 1, 64), cfg=cfg)
+    except ValueError as e:
+        assert "placed on 2 devices but no mesh" in str(e), e
+    else:
+        raise AssertionError("sharded params ran without a mesh")
     try:
         LLM(d, max_model_len=64, tensor_parallel_size=3, kernel="megakernel")
     except ValueError as e:

@@ -95,12 +95,29 @@ _NEG = -1e30  # finite "minus infinity" (the reference's), so masked rows stay N
 _BIG = 2**30  # larger than any token id
 
 
+def verify(params: Params, cache: KVCache, *args, mesh: Mesh | None = None, **kwargs):
+    """`reference.verify` as one Pallas kernel (module docstring); `_verify` has the
+    full signature. Refuses weights or a cache split over several devices without the
+    `mesh` to split the kernel over: a Mosaic call cannot be partitioned by GSPMD."""
+    if mesh is None:
+        for name, tree in (("params", params), ("cache", cache)):
+            for leaf in jax.tree.leaves(tree):
+                sharding = getattr(leaf, "sharding", None)
+                if sharding is not None and len(sharding.device_set) > 1:
+                    raise ValueError(
+                        f"megakernel.verify got {name} placed on {len(sharding.device_set)} "
+                        "devices but no mesh: pass mesh= (a one-axis 'tp' mesh over them, "
+                        "with params from `shard.prepare_params`) or put them on one device."
+                    )
+    return _verify(params, cache, *args, mesh=mesh, **kwargs)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "child_sampling", "block_sizes", "interpret", "mesh"),
     donate_argnames=("cache",),
 )
-def verify(
+def _verify(
     params: Params,
     cache: KVCache,
     roots: jax.Array,  # i32[B]
