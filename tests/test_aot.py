@@ -21,7 +21,14 @@ pytest.importorskip("libtpu", reason="AOT compilation needs libtpu")
 MIB = tuning.MIB
 
 
-@pytest.mark.parametrize("topology", ["tpu7x:2x2x1", "v6e:2x2", "v5e:2x2"])
+@pytest.mark.parametrize(
+    "topology",
+    [
+        "tpu7x:2x2x1",
+        pytest.param("v6e:2x2", marks=pytest.mark.slow),
+        pytest.param("v5e:2x2", marks=pytest.mark.slow),
+    ],
+)
 def test_demo_target_compiles(topology):
     rep = aot.compile_verify(
         aot.PRESETS["demo-target"], topology=topology, tree_nodes=64, context=4096,
@@ -198,7 +205,14 @@ def test_engine_and_aot_choose_one_step():
     )
 
 
-@pytest.mark.parametrize("config,tp", [("demo-target", 2), ("qwen3-32b", 8), ("llama-3.1-70b", 8)])
+@pytest.mark.parametrize(
+    "config,tp",
+    [
+        ("demo-target", 2),
+        pytest.param("qwen3-32b", 8, marks=pytest.mark.slow),
+        pytest.param("llama-3.1-70b", 8, marks=pytest.mark.slow),
+    ],
+)
 def test_tensor_parallel_megakernel_compiles_for_tpu7x(config, tp, capsys):
     """The n-device kernel (remote DMAs, semaphores, shard_map) through libtpu's Mosaic
     compiler: Llama-3.1-70B, which one TensorCore cannot hold, fits split 8 ways."""

@@ -53,10 +53,12 @@ def assert_matches(found: dict, dtype: str) -> None:
     assert found["accepted"] > 0, found  # the trees were built to be partly right
 
 
+@pytest.mark.slow
 def test_two_devices_match_the_reference():
     assert_matches(tp_check("--tp", "2", "--batch", "1"), "f32")
 
 
+@pytest.mark.slow
 def test_a_missing_semaphore_wait_is_caught():
     """Skipping one wait for a peer's DMA (the bug the one-slot argument rules out) is
     seen: eagerly run DMAs give the race detector a read racing a remote write."""

@@ -735,8 +735,11 @@ FUZZ = {
 
 
 @pytest.mark.parametrize("kind", list(FUZZ))
-def test_fuzz(kind):
+@pytest.mark.parametrize("share", [pytest.param(1.0, marks=pytest.mark.slow), 0.2])
+def test_fuzz(kind, share):
+    """Every kind: a fifth of its examples in the quick subset, all of them in CI."""
     strategy, examples = FUZZ[kind]
+    examples = max(1, int(examples * share))
 
     @fuzz(examples)
     @given(strategy())

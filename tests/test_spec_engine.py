@@ -204,7 +204,7 @@ def test_max_tokens_never_exceeded(spec_and_ref, max_tokens):
 # ----------------------------------------------------------------------------- seeds
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", pytest.param("ngram", marks=pytest.mark.slow)])
 def test_seeded_determinism_and_batch_invariance(target_dir, unrelated_dir, prompts, method):
     if method == "draft_model":
         llm = spec_llm(target_dir, unrelated_dir, **SHAPES["model_tree"])
@@ -410,7 +410,10 @@ def penalized_reference(target_dir, prompts):
             dict(draft="unrelated", num_speculative_tokens=8, max_depth=4, topk=2),
             marks=pytest.mark.slow,
         ),
-        dict(method="ngram", num_speculative_tokens=8, max_depth=4, topk=2),
+        pytest.param(
+            dict(method="ngram", num_speculative_tokens=8, max_depth=4, topk=2),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["chain", "tree", "unrelated_tree", "ngram"],
 )
