@@ -287,16 +287,9 @@ def compile_verify(
         args = (params, cache, *tree, None, *rows, sampling, sds((batch, tree_nodes + 1), f32))
         what = "verify step (megakernel + XLA sampling branch)"
     else:
-        fn = jax.jit(
-            functools.partial(
-                kernel._verify_call,
-                cfg=run,
-                local=local,
-                bs=block_sizes,
-                interpret=False,
-                mesh=mesh,
-            )  # fmt: skip
-        ).lower
+        step = functools.partial(kernel._verify_call, cfg=run, local=local, bs=block_sizes,
+                                 interpret=False, mesh=mesh)  # fmt: skip
+        fn = jax.jit(step).lower
         args = (params, cache, *tree, *rows)
         what = "megakernel (greedy verify step)"
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -110,28 +111,30 @@ def matched_tokens(run_reference, roots, parents, designated, rng, vocab) -> np.
     raise AssertionError("token fixed point did not converge")
 
 
-@functools.cache
-def grid_case(dtype_name: str, kv_heads: int) -> dict:
-    """Reference and kernel results for the nine (tree, context) rows of one model."""
-    dtype = DTYPES[dtype_name]
-    cfg, params = model(dtype, kv_heads)
-    rng = np.random.default_rng(kv_heads)
-    cases = [(tree, ctx) for tree in TREES for ctx in CONTEXTS]
-    b = len(cases)
+def grid_rows(rng, cases):
+    """Padded parents and designated-match masks for (tree, context) rows: chain8 rows
+    match at nodes 0..5 (6 accepted, bonus at node 5), random trees at ~70% of nodes."""
     parents, designated = [], []
     for tree, _ in cases:
-        if tree == "chain8":  # nodes 0..5 match, node 6 not: 6 accepted, bonus at node 5
+        if tree == "chain8":
             p, d = chain(8), np.arange(8) < 6
         else:
             p = random_tree(rng, 16 if tree == "tree16" else 64)
             d = rng.random(len(p)) < 0.7
         parents.append(pad_tree(p))
         designated.append(np.concatenate([d, np.zeros(NODES - len(d), bool)]))
-    parents, designated = np.stack(parents), np.stack(designated)
+    return np.stack(parents), np.stack(designated)
+
+
+def reference_case(cfg, params, dtype, cases, rng, max_len=MAX_LEN) -> SimpleNamespace:
+    """One batch of `cases` rows: NaN-padded cache (one slot left unused), trees whose
+    designated nodes match the reference's argmax, and the reference's result."""
+    parents, designated = grid_rows(rng, cases)
+    b = len(cases)
     lens = np.array([ctx for _, ctx in cases], np.int32)
     slots = rng.permutation(b + 1)[:b].astype(np.int32)  # one slot stays unused (all NaN)
     roots = rng.integers(0, cfg.vocab_size, b).astype(np.int32)
-    cache = nan_cache(cfg, dtype, slots, lens, b + 1)
+    cache = nan_cache(cfg, dtype, slots, lens, b + 1, max_len=max_len)
     sampling = SamplingBatch.make_dummy(b)
     uniforms = np.zeros((b, NODES + 1), np.float32)
 
@@ -142,7 +145,21 @@ def grid_case(dtype_name: str, kv_heads: int) -> dict:
         )  # fmt: skip
 
     tokens = matched_tokens(run_reference, roots, parents, designated, rng, cfg.vocab_size)
-    ref = run_reference(tokens)
+    return SimpleNamespace(
+        cache=cache, roots=roots, tokens=tokens, parents=parents, slots=slots, lens=lens,
+        sampling=sampling, uniforms=uniforms, ref=run_reference(tokens),
+    )  # fmt: skip
+
+
+@functools.cache
+def grid_case(dtype_name: str, kv_heads: int) -> dict:
+    """Reference and kernel results for the nine (tree, context) rows of one model."""
+    dtype = DTYPES[dtype_name]
+    cfg, params = model(dtype, kv_heads)
+    cases = [(tree, ctx) for tree in TREES for ctx in CONTEXTS]
+    c = reference_case(cfg, params, dtype, cases, np.random.default_rng(kv_heads))
+    cache, roots, tokens, parents = c.cache, c.roots, c.tokens, c.parents
+    slots, lens, sampling, uniforms, ref = c.slots, c.lens, c.sampling, c.uniforms, c.ref
     out = kernel.verify(
         params, copy_cache(cache), roots, tokens, parents, None, slots, lens, sampling, uniforms,
         cfg=cfg, child_sampling=TOPK, block_sizes=BLOCKS, interpret=True,

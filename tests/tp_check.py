@@ -21,38 +21,15 @@ from test_megakernel import (
     NODES,
     TOPK,
     TREES,
-    chain,
-    copy_cache,
-    matched_tokens,
     model,
-    nan_cache,
-    pad_tree,
-    random_tree,
+    reference_case,
 )  # fmt: skip
 
 from specdec.kernels import sharding
-from specdec.kernels.megakernel import BlockSizes, kernel, reference, shard
-from specdec.verify.batch import SamplingBatch
+from specdec.kernels.megakernel import BlockSizes, kernel, shard
 
 VOCAB = 400  # no n x 128 divides it: every split pads
 MAX_LEN = 1152
-
-
-def cases(rng, batch: int):
-    """(tree, context) rows: all nine for a big batch, else the first `batch` of a shuffle."""
-    grid = [(tree, ctx) for tree in TREES for ctx in CONTEXTS]
-    if batch < len(grid):
-        grid = [grid[i] for i in rng.permutation(len(grid))[:batch]]
-    parents, designated = [], []
-    for tree, _ in grid:
-        if tree == "chain8":
-            p, d = chain(8), np.arange(8) < 6
-        else:
-            p = random_tree(rng, 16 if tree == "tree16" else 64)
-            d = rng.random(len(p)) < 0.7
-        parents.append(pad_tree(p))
-        designated.append(np.concatenate([d, np.zeros(NODES - len(d), bool)]))
-    return grid, np.stack(parents), np.stack(designated)
 
 
 def main() -> None:
@@ -70,23 +47,12 @@ def main() -> None:
     overrides = dict(vocab_size=VOCAB, num_heads=8, head_dim=16, intermediate_size=256)
     cfg, params = model(dtype, args.kv_heads, **(overrides | json.loads(args.config)))
     rng = np.random.default_rng(n * 10 + args.kv_heads)
-    grid, parents, designated = cases(rng, args.batch)
-    b = len(grid)
-    lens = np.array([ctx for _, ctx in grid], np.int32)
-    slots = rng.permutation(b + 1)[:b].astype(np.int32)
-    roots = rng.integers(0, VOCAB, b).astype(np.int32)
-    cache = nan_cache(cfg, dtype, slots, lens, b + 1, max_len=MAX_LEN)
-    sampling = SamplingBatch.make_dummy(b)
-    uniforms = np.zeros((b, NODES + 1), np.float32)
-
-    def run_reference(tokens):
-        return reference.verify(
-            params, copy_cache(cache), roots, tokens, parents, None, slots, lens, sampling,
-            uniforms, cfg=cfg, child_sampling=TOPK,
-        )  # fmt: skip
-
-    tokens = matched_tokens(run_reference, roots, parents, designated, rng, VOCAB)
-    ref = run_reference(tokens)
+    grid = [(tree, ctx) for tree in TREES for ctx in CONTEXTS]
+    if args.batch < len(grid):  # the first `batch` rows of a shuffle
+        grid = [grid[i] for i in rng.permutation(len(grid))[: args.batch]]
+    c = reference_case(cfg, params, dtype, grid, rng, max_len=MAX_LEN)
+    cache, roots, tokens, parents = c.cache, c.roots, c.tokens, c.parents
+    slots, lens, sampling, uniforms, ref = c.slots, c.lens, c.sampling, c.uniforms, c.ref
 
     # The split model: K/V heads repeated to n where fewer, vocabulary padded.
     mesh = sharding.make_mesh(jax.devices()[:n])
