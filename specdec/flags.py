@@ -68,6 +68,10 @@ def add_model_arguments(
         "--kernel", choices=("auto", "megakernel", "xla"), default="auto",
         help="target verify step; auto = Pallas megakernel on TPU, XLA elsewhere",
     )  # fmt: skip
+    g.add_argument(
+        "--tensor-parallel-size", type=_positive_int, default=1,
+        help="split the target over this many local devices (default 1)",
+    )  # fmt: skip
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument(
         "--max-num-seqs", type=_positive_int, default=max_num_seqs,
@@ -156,6 +160,7 @@ def llm_kwargs(args) -> dict:
         "speculative_config": speculative_from_args(args),
         "kernel": args.kernel,
         "compile_at_start": args.compile_at_start,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
 
 

@@ -65,6 +65,10 @@ def test_generate_bad_input_is_a_clear_error(pair, capsys):
     assert rc == 2 and "needs --draft" in capsys.readouterr().err
     rc = main(["generate", "x", "--model", str(pair), "--method", "ngram", "--draft", str(pair)])
     assert rc == 2 and "--method ngram takes none" in capsys.readouterr().err
+    rc = main(["generate", "x", "--model", str(pair), "--tensor-parallel-size", "64"])
+    assert rc == 2 and "tensor_parallel_size=64 needs that many local devices" in (
+        capsys.readouterr().err
+    )
 
 
 def test_sampling_flags_over_generation_config_over_cli_defaults(tmp_path):
