@@ -438,7 +438,7 @@ def _tv_noise(probs: np.ndarray, n: int) -> float:
 FILTERS = {"off": (0, 1.0, 0.0), "on": (5, 0.9, 0.05)}
 
 
-@pytest.mark.parametrize("filters", list(FILTERS))
+@pytest.mark.parametrize("filters", [pytest.param("off", marks=pytest.mark.slow), "on"])
 @pytest.mark.parametrize(
     "temperature",
     [pytest.param(0.7, marks=pytest.mark.slow), 1.0, pytest.param(1.5, marks=pytest.mark.slow)],

@@ -208,7 +208,7 @@ def test_engine_and_aot_choose_one_step():
 @pytest.mark.parametrize(
     "config,tp",
     [
-        ("demo-target", 2),
+        pytest.param("demo-target", 2, marks=pytest.mark.slow),
         pytest.param("qwen3-32b", 8, marks=pytest.mark.slow),
         pytest.param("llama-3.1-70b", 8, marks=pytest.mark.slow),
     ],

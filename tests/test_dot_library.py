@@ -56,7 +56,9 @@ def test_untie_head_gives_the_same_logits():
     assert "lm_head" not in ModelRunner(cfg, stacked, num_slots=1, max_len=32, stacked=True).params
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize(
+    "tied", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["tied", "untied"]
+)
 def test_one_row_copies_serve_one_row_products_and_only_those(tied):
     cfg = tiny_config(tie_word_embeddings=tied)
     params = xla_layout.untie_head(unstack_layers(init_params(cfg, jax.random.key(0))))

@@ -128,7 +128,7 @@ def test_padded_vocab():
     assert shard.padded_vocab(1025, 8) == 2048
 
 
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tied", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_prepared_params_are_the_same_model(tied):
     """K/V heads repeated (K=1 -> 4) and the head padded: identical logits and each
     original K/V head stored n / K times, so the forward is exact, not approximate."""

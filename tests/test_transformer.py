@@ -182,7 +182,11 @@ def test_forward_train_matches_prefill():
 
 @pytest.mark.parametrize(
     "heads,kv_heads,n,b",
-    [(4, 2, 3, 2), (4, 1, 1, 1), pytest.param(6, 3, 5, 3, marks=pytest.mark.slow)],
+    [
+        (4, 2, 3, 2),
+        pytest.param(4, 1, 1, 1, marks=pytest.mark.slow),
+        pytest.param(6, 3, 5, 3, marks=pytest.mark.slow),
+    ],
 )
 def test_per_kv_head_attention_matches_the_batched_form(heads, kv_heads, n, b):
     """The XLA CPU form (one product per KV head, keys optionally copied out
@@ -223,7 +227,7 @@ def test_one_row_bfloat16_product_matches_plain_matmul(lead):
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", pytest.param("qwen3_kv1", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, pytest.param(5, marks=pytest.mark.slow)])
 def test_runner_layout_forward_matches_the_reference(name, rows):
     """Everything `xla_layout.arrange` does at once (per-layer, untied head, fused
     projections, one-row copies, per-head attention, two-row bf16): the reference's
