@@ -44,6 +44,25 @@ def tp_check(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize(
+    "n,mode", [("2", "eager"), pytest.param("8", "on_wait", marks=pytest.mark.slow),
+               pytest.param("4", "eager", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_collectives_match_their_jnp_statements(n, mode):
+    """The all-reduce and the (max, argmax) exchange alone against `jnp_all_reduce` /
+    `jnp_argmax`: the residual bit-identical on every device (and to the jnp sum), ties
+    to the lowest id across devices (a row where every id ties; a row whose max sits on
+    devices 1.. only)."""
+    proc = subprocess.run(
+        [sys.executable, "collectives_check.py", "--tp", n, "--mode", mode], cwd=TESTS,
+        env=ENV, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not found["races"] and found["x_same_on_all"] and found["x_err"] == 0.0, found
+    assert found["arg_equal"] and found["tie_rows"] == [0, 133], found
+
+
 def assert_matches(found: dict, dtype: str) -> None:
     assert not found["races"], found
     assert found["paths_equal"] and found["bonus_equal"], found

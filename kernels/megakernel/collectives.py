@@ -2,7 +2,7 @@
 
 Everything here runs inside the kernel (one instance per device of a 1-D mesh
 axis, under `jax.shard_map`); `jnp_all_reduce` / `jnp_argmax` beside them are the
-plain-jnp statements of what they compute, for the tests.
+plain-jnp statements of what they compute (tests/collectives_check.py compares).
 
 All-reduce of an f32 [M, D] partial sum (two per layer): two one-shot phases.
 
