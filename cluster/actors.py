@@ -168,7 +168,6 @@ class TargetActor(_Host):
         logger.info("target on %s: %s", self.mesh, self.placement)
 
     def hello(self) -> bytes:
-
         return self._info(
             vocab_size=self.cfg.vocab_size,
             placement=self.placement,

@@ -29,6 +29,17 @@ from typing import Literal
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 
+def virtual_cpu_devices(n: int) -> dict[str, str]:
+    """Environment for a process that sees n virtual CPU devices."""
+    return {
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
+        # XLA's CPU thread pool (default: the cores): an interpreted megakernel's n
+        # instances block on each other while their callbacks still need the pool, so
+        # it must be several times n.
+        "NPROC": str(max(4 * n, os.cpu_count() or 1)),
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupConfig:
     """One worker group (the target's or the draft's): its resources and devices."""
@@ -101,14 +112,7 @@ class ClusterConfig:
         """Custom resources `target_group` / `draft_group`, virtual CPU devices per group."""
 
         def env(n: int) -> dict[str, str]:
-            return {
-                "JAX_PLATFORMS": "cpu",
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
-                # XLA's CPU thread pool (default: the cores): an interpreted megakernel's
-                # n instances block on each other while their callbacks still need
-                # the pool, so it must be several times n.
-                "NPROC": str(max(4 * n, os.cpu_count() or 1)),
-            }
+            return {"JAX_PLATFORMS": "cpu", **virtual_cpu_devices(n)}
 
         return cls(
             target=GroupConfig(

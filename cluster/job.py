@@ -61,13 +61,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def cluster_config(args):
-    from specdec.cluster.config import ClusterConfig, GroupConfig
+    from specdec.cluster.config import ClusterConfig, GroupConfig, virtual_cpu_devices
 
     def group(resources: dict, devices: int | None) -> GroupConfig:
         env = {k: os.environ[k] for k in ("JAX_PLATFORMS",) if k in os.environ}
         if devices and devices > 1 and os.environ.get("JAX_PLATFORMS") == "cpu":
-            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-            env["NPROC"] = str(max(4 * devices, os.cpu_count() or 1))  # ClusterConfig.local_cpu
+            env.update(virtual_cpu_devices(devices))
         return GroupConfig(
             resources, num_devices=devices, env_vars=env, max_restarts=args.max_restarts
         )

@@ -125,34 +125,28 @@ class AotReport:
     weight_bytes_in_flight: dict = dataclasses.field(default_factory=dict)  # per stream
 
 
-def split_model(cfg: ModelConfig, tp: int) -> tuple[ModelConfig, int]:
-    """What n devices hold of `cfg` (`megakernel.shard.prepare_params` on shapes): the
-    config with K/V heads repeated up to `tp`, and the LM head's padded width."""
-    if tp > cfg.num_kv_heads:
-        cfg = dataclasses.replace(cfg, num_kv_heads=tp)
-    return cfg, shard.padded_vocab(cfg.vocab_size, tp)
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple)
 
 
-def _param_shapes(cfg: ModelConfig, head_width: int) -> dict:
-    shapes = transformer.param_shapes(cfg)
-    if cfg.tie_word_embeddings:
-        shapes["embed"] = (head_width, cfg.hidden_size)
-    else:
-        shapes["lm_head"] = (cfg.hidden_size, head_width)
-    return shapes
+def _split_shapes(cfg: ModelConfig, tp: int, dtype) -> tuple[dict, dict]:
+    """The param shapes `tp` devices run (`shard.split_config`: K/V heads repeated, head
+    padded) and their cuts (`sharding.param_specs`), as two trees."""
+    run, width = shard.split_config(cfg, tp)
+    shapes = transformer.param_shapes(run)
+    name, axis = shard.head_leaf(run)
+    shapes[name] = tuple(width if i == axis else s for i, s in enumerate(shapes[name]))
+    structs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=_is_shape)
+    return shapes, sharding.param_specs(run, structs, tp)
 
 
 def _per_device(cfg: ModelConfig, tp: int, dtype) -> dict:
-    """Leaf -> bytes one of `tp` devices holds (the cut of `sharding.param_specs`)."""
-    run, width = split_model(cfg, tp)
-    shapes = _param_shapes(run, width)
-    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
-    structs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=is_shape)
-    specs = sharding.param_specs(run, structs, tp)
+    """Leaf -> bytes one of `tp` devices holds."""
+    shapes, specs = _split_shapes(cfg, tp, dtype)
     itemsize = np.dtype(dtype).itemsize
     return jax.tree.map(
         lambda s, spec: math.prod(s) * itemsize // (tp if sharding.AXIS in spec else 1),
-        shapes, specs, is_leaf=is_shape,
+        shapes, specs, is_leaf=_is_shape,
     )  # fmt: skip
 
 
@@ -160,14 +154,14 @@ def weight_read_bytes(cfg: ModelConfig, dtype, rows: int, tp: int = 1) -> int:
     """HBM bytes of weights one device reads per step: its share of every layer and
     of the LM head, the final norm and `rows` embeddings."""
     held = _per_device(cfg, tp, dtype)
-    head = held["embed"] if cfg.tie_word_embeddings else held["lm_head"]
+    head = held[shard.head_leaf(cfg)[0]]
     itemsize = np.dtype(dtype).itemsize
     return sum(held["layers"].values()) + head + (1 + rows) * cfg.hidden_size * itemsize
 
 
 def kv_read_bytes(cfg: ModelConfig, dtype, *, batch: int, context: int, tp: int = 1) -> int:
     """HBM bytes of committed K and V one device reads per step (its K/V heads)."""
-    run, _ = split_model(cfg, tp)
+    run, _ = shard.split_config(cfg, tp)
     per_pos = 2 * run.num_layers * run.num_kv_heads * run.head_dim * np.dtype(dtype).itemsize
     return batch * context * per_pos // tp
 
@@ -253,7 +247,7 @@ def compile_verify(
     )
     resident = check_device_memory(cfg, chip, wdtype, batch=batch, max_len=max_len,
                                    name=config_name, tp=tp)  # fmt: skip
-    run, width = split_model(cfg, tp)
+    run, width = shard.split_config(cfg, tp)
     local = shard.local_config(run, tp, width)
     limit = chip.vmem_bytes - tuning.VMEM_HEADROOM
     if block_sizes is None:  # the engine's own choice on this chip (`kernel.verify`)
@@ -271,11 +265,8 @@ def compile_verify(
         cache_dtype=wdtype, tp=tp,
     )  # fmt: skip
 
-    shapes = _param_shapes(run, width)
-    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
-    structs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, wdtype), shapes, is_leaf=is_shape)
-    specs = sharding.param_specs(run, structs, tp)
-    params = jax.tree.map(lambda s, spec: sds(s, wdtype, spec), shapes, specs, is_leaf=is_shape)
+    shapes, specs = _split_shapes(cfg, tp, wdtype)
+    params = jax.tree.map(lambda s, spec: sds(s, wdtype, spec), shapes, specs, is_leaf=_is_shape)
     cache_shape = (run.num_layers, batch, run.num_kv_heads, max_len, run.head_dim)
     cspec = sharding.cache_spec(run, tp)
     cache = transformer.KVCache(

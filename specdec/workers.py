@@ -236,14 +236,14 @@ def resolve_kernel(kernel: str, cfg: ModelConfig, num_devices: int = 1) -> str:
     return kernel
 
 
-def _verify_xla(r: ModelRunner, cfg, roots, tree: DraftBatch, slots, active, sampling,
+def _verify_xla(r: ModelRunner, roots, tree: DraftBatch, slots, active, sampling,
                 library: str = "default"):  # fmt: skip
     """Jitted tree forward + acceptance, then one donated write of the kept K/V."""
     n = tree.tokens.shape[1]
     emitted, num, accepted, ks, vs = VERIFY_STEPS[library](
         r.params, r.cache, roots, tree.tokens, tree.parents, tree.draft_probs, slots,
         r.cache_lens.copy(),  # never hand jax a buffer we mutate later
-        sampling, cfg=cfg, child_sampling=tree.child_sampling,
+        sampling, cfg=r.cfg, child_sampling=tree.child_sampling,
         kv_len=r.kv_len(active, int(r.cache_lens[active].max(initial=0)) + 2 + n),
         layout=r.layout.for_library(library),
     )  # fmt: skip
@@ -251,7 +251,7 @@ def _verify_xla(r: ModelRunner, cfg, roots, tree: DraftBatch, slots, active, sam
     return emitted, num, accepted
 
 
-def _verify_megakernel(r: ModelRunner, cfg, roots, tree: DraftBatch, slots, active, sampling,
+def _verify_megakernel(r: ModelRunner, roots, tree: DraftBatch, slots, active, sampling,
                        library: str = "default"):  # fmt: skip
     """The Pallas verify megakernel (interpret mode off TPU), then the K/V commit.
 
@@ -262,7 +262,7 @@ def _verify_megakernel(r: ModelRunner, cfg, roots, tree: DraftBatch, slots, acti
     cache_lens = r.cache_lens.copy()
     res = megakernel.verify(
         r.params, r.cache, roots, tree.tokens, tree.parents, tree.draft_probs, slots,
-        cache_lens, sampling, sampling.uniforms(n + 1), cfg=cfg,
+        cache_lens, sampling, sampling.uniforms(n + 1), cfg=r.cfg,
         child_sampling=tree.child_sampling, interpret=jax.default_backend() != "tpu",
         mesh=r.mesh,
     )  # fmt: skip
@@ -363,8 +363,7 @@ class TargetWorker:
             tree = truncate(tree, self.widths.choose(tree.parents, active))
         slots = np.where(active, np.arange(r.num_slots, dtype=np.int32), -1).astype(np.int32)
         library = self.plan.library(r.num_slots * (tree.tokens.shape[1] + 1))
-        emitted, num, accepted = self._verify(r, r.cfg, roots, tree, slots, active, sampling,
-                                              library)  # fmt: skip
+        emitted, num, accepted = self._verify(r, roots, tree, slots, active, sampling, library)
         emitted, num, accepted = np.asarray(emitted), np.asarray(num), np.asarray(accepted)
         r.cache_lens[active] += 1 + num[active]
         if host:

@@ -223,7 +223,7 @@ def test_tensor_parallel_megakernel_compiles_for_tpu7x(config, tp, capsys):
                              config_name=config)  # fmt: skip
     assert rep.compiled and rep.fits, rep.error
     assert rep.tp == tp and rep.resident_bytes < rep.hbm_capacity_bytes
-    run, _ = aot.split_model(cfg, tp)
+    run, _ = shard.split_config(cfg, tp)
     rows = tuning.block_rows(64, np.dtype("bfloat16"))
     assert rep.bytes_sent == shard.step_bytes_sent(run, rows, tp) > 0
     assert rep.collective_hops == 4 * cfg.num_layers + 1

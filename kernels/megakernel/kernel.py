@@ -226,7 +226,7 @@ def _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, unif
             f"The cache length ({cache.max_len}) must be at least {window} for {n} tree nodes."
         )
     lp = params["layers"]
-    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    head = params[shard.head_leaf(cfg)[0]]
     streamed = {name: lp[name] for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
     for name, w in (streamed | {"LM head": head}).items():
         if w.dtype != lp["wq"].dtype:
@@ -299,11 +299,11 @@ def _verify_call(
         split_in |= {name: (lp[name].astype(f32), 1) for name in ("bq", "bk", "bv")}
     if cfg.qk_norm:
         rows_in |= {name: lp[name].astype(f32) for name in ("q_norm", "k_norm")}
-    tied = cfg.tie_word_embeddings
+    head, head_axis = shard.head_leaf(cfg)
     split_in |= {
         "wq": (lp["wq"], 2), "wk": (lp["wk"], 2), "wv": (lp["wv"], 2), "wo": (lp["wo"], 1),
         "w_gate": (lp["w_gate"], 2), "w_up": (lp["w_up"], 2), "w_down": (lp["w_down"], 1),
-        "head": (params["embed"], 0) if tied else (params["lm_head"], 1),
+        "head": (params[head], head_axis),
         "k_cache": (cache.k, 2), "v_cache": (cache.v, 2),
     }  # fmt: skip
     row_lens = jnp.where(slots >= 0, cache_lens, 0).astype(i32)
@@ -457,6 +457,11 @@ def _iota(shape, axis):
     return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
+def _rem(x, m):
+    """x % m for a static or a traced index (lax: jnp's // and % ask for a chip)."""
+    return x % m if isinstance(x, int) else jax.lax.rem(x, m)
+
+
 def _start(copies):
     for c in copies:
         c.start()
@@ -482,12 +487,12 @@ def _stream(n, offset, copies, body, *, ring, nxt=None, init=0):
             nxt(k)
 
     def step(j, carry):
-        slot = jax.lax.rem(j + offset, ring)  # lax ops: jnp's // and % ask for a chip
+        slot = _rem(j + offset, ring)
         t = j + ahead
 
         @pl.when(t < n)
         def _():
-            _start(copies(t, jax.lax.rem(t + offset, ring)))
+            _start(copies(t, _rem(t + offset, ring)))
 
         if nxt is not None:
 
@@ -512,8 +517,7 @@ def _opener(copies, offset, n, ring, prev_ahead):
     first = min(n, ring - 1)
 
     def start(k):
-        slot = (k + offset) % ring if isinstance(k, int) else jax.lax.rem(k + offset, ring)
-        _start(copies(k, slot))
+        _start(copies(k, _rem(k + offset, ring)))
 
     def nxt(k):
         if isinstance(k, int):
@@ -684,7 +688,7 @@ def _kernel(*refs, p, names):
 
     def out_copy(j, width):  # staged through a two-slot buffer, slot j % 2
         col = pl.ds(_aligned(j * tv, tv), width)
-        stage = j % 2 if isinstance(j, int) else jax.lax.rem(j, 2)
+        stage = _rem(j, 2)
         return pltpu.make_async_copy(
             r.logits_buf_ref.at[stage, :, pl.ds(0, width)],
             r.logits_hbm.at[:, col],
@@ -703,8 +707,7 @@ def _kernel(*refs, p, names):
             def _():
                 out_copy(j - 2, tv).wait()
 
-            stage = j % 2 if isinstance(j, int) else jax.lax.rem(j, 2)
-            r.logits_buf_ref[stage, :, pl.ds(0, width)] = y
+            r.logits_buf_ref[_rem(j, 2), :, pl.ds(0, width)] = y
             out_copy(j, width).start()
             ids = _iota(y.shape, 1) + j * tv + me * p.V  # this device's vocabulary
             if p.V * p.tp != p.vocab:  # padded columns never win

@@ -41,16 +41,32 @@ from specdec.kernels.transformer import Params
 
 __all__ = [
     "check_shardable",
+    "head_leaf",
     "local_config",
     "padded_vocab",
     "prepare_params",
     "replicate_kv_heads",
+    "split_config",
 ]
 
 
 def padded_vocab(vocab_size: int, n: int) -> int:
     """The LM head's width on n devices: V rounded up to a multiple of n * 128 (V on one)."""
     return vocab_size if n == 1 else round_up(vocab_size, n * LANES)
+
+
+def head_leaf(cfg: ModelConfig) -> tuple[str, int]:
+    """The LM head's leaf and its vocabulary axis: the embedding's rows when tied,
+    lm_head's columns otherwise."""
+    return ("embed", 0) if cfg.tie_word_embeddings else ("lm_head", 1)
+
+
+def split_config(cfg: ModelConfig, n: int) -> tuple[ModelConfig, int]:
+    """What n devices run of `cfg` (`prepare_params` on shapes): the config with its
+    K/V heads repeated up to n, and the LM head's padded width."""
+    if n > cfg.num_kv_heads:
+        cfg = dataclasses.replace(cfg, num_kv_heads=n)
+    return cfg, padded_vocab(cfg.vocab_size, n)
 
 
 def check_shardable(cfg: ModelConfig, n: int, *, tpu: bool = False) -> None:
@@ -115,13 +131,13 @@ def replicate_kv_heads(cfg: ModelConfig, params: Params, n: int) -> tuple[ModelC
     for name in ("wk", "wv", "bk", "bv"):
         if name in layers:
             layers[name] = repeat(layers[name])
-    return dataclasses.replace(cfg, num_kv_heads=n), {**params, "layers": layers}
+    return split_config(cfg, n)[0], {**params, "layers": layers}
 
 
 def pad_head(cfg: ModelConfig, params: Params, width: int) -> Params:
     """`params` with its LM head (lm_head columns, or a tied embed's rows) zero-padded to
     `width` vocabulary entries."""
-    name, axis = ("embed", 0) if cfg.tie_word_embeddings else ("lm_head", 1)
+    name, axis = head_leaf(cfg)
     head = params[name]
     extra = width - head.shape[axis]
     if extra < 0:
@@ -135,7 +151,8 @@ def pad_head(cfg: ModelConfig, params: Params, width: int) -> Params:
 
 def head_width(cfg: ModelConfig, params: Params) -> int:
     """Vocabulary entries the LM head holds (V, or V padded)."""
-    return params["embed"].shape[0] if cfg.tie_word_embeddings else params["lm_head"].shape[1]
+    name, axis = head_leaf(cfg)
+    return params[name].shape[axis]
 
 
 def prepare_params(cfg: ModelConfig, params: Params, n: int) -> tuple[ModelConfig, Params]:

@@ -343,8 +343,8 @@ def default_block_sizes(
 
     bs = build(caps)
     stuck = set()  # tiles that cannot get smaller (no smaller divisor of the dimension)
+    d = cfg.hidden_size
     while total(bs) > vmem_budget:
-        d = cfg.hidden_size
         sizes = {
             "proj_cols": weight_ring * d * bs.proj_cols,
             "out_rows": weight_ring * d * bs.out_rows,
