@@ -66,7 +66,6 @@ cache so); rows beyond it get no K/V written.
 from __future__ import annotations
 
 import functools
-import math
 from types import SimpleNamespace
 
 import jax
@@ -79,7 +78,7 @@ from jax.sharding import PartitionSpec as P
 
 from specdec.kernels import transformer
 from specdec.kernels.config import ModelConfig
-from specdec.kernels.megakernel import collectives, shard, tuning
+from specdec.kernels.megakernel import attention, collectives, ops, shard, tuning
 from specdec.kernels.megakernel.collectives import AXIS
 from specdec.kernels.megakernel.reference import VerifyResult, decide, tree_block
 from specdec.kernels.megakernel.tuning import BlockSizes
@@ -91,7 +90,6 @@ from specdec.verify.tree import ChildSampling
 
 __all__ = ["verify"]
 
-_NEG = -1e30  # finite "minus infinity" (the reference's), so masked rows stay NaN-free
 _BIG = 2**30  # larger than any token id
 
 
@@ -434,114 +432,6 @@ def _cost(cfg: ModelConfig, weights: dict, k_cache: jax.Array, rows: int) -> pl.
 # ----------------------------------------------------------------------------- kernel
 
 
-def _aligned(x, m):
-    """pl.multiple_of for traced offsets; static ones need no hint."""
-    return x if isinstance(x, int) else pl.multiple_of(x, m)
-
-
-def _dot(a, b):
-    return jnp.dot(a, b, preferred_element_type=jnp.float32)
-
-
-def _dot_nt(a, b):
-    """a [m, k] @ b[n, k].T with f32 accumulation."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _rms(x, w, eps):
-    """x f32[r, c] normalised over its last axis, times w f32[1, c]."""
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def _iota(shape, axis):
-    return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
-
-
-def _rem(x, m):
-    """x % m for a static or a traced index (lax: jnp's // and % ask for a chip)."""
-    return x % m if isinstance(x, int) else jax.lax.rem(x, m)
-
-
-def _start(copies):
-    for c in copies:
-        c.start()
-
-
-def _wait(copies):
-    for c in copies:
-        c.wait()
-
-
-def _stream(n, offset, copies, body, *, ring, nxt=None, init=0):
-    """A fori_loop over n streamed tiles; tile j sits in ring slot (offset + j) % ring.
-
-    On entry tiles 0 .. min(n, ring - 1) - 1 are in flight (started by the stream
-    before). Step j starts tile j + ring - 1 into the slot tile j - 1 freed, waits for
-    tile j and runs `body(j, slot, carry)`; past the end it starts the next stream's
-    first tiles instead (`nxt(k)`, from `_opener`), so that stream finds them in
-    flight and the DMA queue never drains. `copies(j, slot)` lists tile j's DMAs.
-    """
-    ahead = ring - 1
-    if nxt is not None:
-        for k in range(ahead - n):  # shorter than the look-ahead: its successor starts now
-            nxt(k)
-
-    def step(j, carry):
-        slot = _rem(j + offset, ring)
-        t = j + ahead
-
-        @pl.when(t < n)
-        def _():
-            _start(copies(t, _rem(t + offset, ring)))
-
-        if nxt is not None:
-
-            @pl.when(t >= n)
-            def _():
-                nxt(t - n)
-
-        _wait(copies(j, slot))
-        return body(j, slot, carry)
-
-    return jax.lax.fori_loop(0, n, step, init)
-
-
-def _opener(copies, offset, n, ring, prev_ahead):
-    """nxt(k) for `_stream`: starts tile k of a stream of n tiles (its ring has `ring`
-    slots, offset `offset`) when that stream expects it in flight on entry.
-
-    The stream before calls nxt(0) .. nxt(prev_ahead - 1) (its look-ahead past its
-    end); when this stream's ring is deeper, the last call also starts the tiles
-    beyond, so the stream always enters with min(n, ring - 1) tiles in flight.
-    """
-    first = min(n, ring - 1)
-
-    def start(k):
-        _start(copies(k, _rem(k + offset, ring)))
-
-    def nxt(k):
-        if isinstance(k, int):
-            if k < first:
-                start(k)
-            if k == prev_ahead - 1:
-                for extra in range(prev_ahead, first):
-                    start(extra)
-            return
-
-        @pl.when(k < first)
-        def _():
-            start(k)
-
-        if first > prev_ahead:
-
-            @pl.when(k == prev_ahead - 1)
-            def _():
-                for extra in range(prev_ahead, first):
-                    start(extra)
-
-    return nxt
-
-
 def _kernel(*refs, p, names):
     """The whole verify step; `names` labels `refs` (see `_verify_call`)."""
     r = SimpleNamespace(**dict(zip(names, refs, strict=True)))
@@ -571,21 +461,21 @@ def _kernel(*refs, p, names):
         hbm = getattr(r, f"{name}_hbm")
 
         def copies(j, slot):
-            src = hbm.at[li, :, pl.ds(_aligned(j * tp, tp), tp)]
+            src = hbm.at[li, :, pl.ds(ops.aligned(j * tp, tp), tp)]
             return (pltpu.make_async_copy(src, r.qkv_buf_ref.at[slot], r.qkv_sem.at[slot]),)
 
         return copies
 
     def o_copies(li):
         def copies(j, slot):
-            src = r.wo_hbm.at[li, pl.ds(_aligned(j * to, to), to), :]
+            src = r.wo_hbm.at[li, pl.ds(ops.aligned(j * to, to), to), :]
             return (pltpu.make_async_copy(src, r.o_buf_ref.at[slot], r.o_sem.at[slot]),)
 
         return copies
 
     def mlp_copies(li):
         def copies(j, slot):
-            col = pl.ds(_aligned(j * tf, tf), tf)
+            col = pl.ds(ops.aligned(j * tf, tf), tf)
             return (
                 pltpu.make_async_copy(
                     r.w_gate_hbm.at[li, :, col], r.gate_buf_ref.at[slot], r.mlp_sem.at[0, slot]
@@ -602,7 +492,7 @@ def _kernel(*refs, p, names):
 
     def head_copies(width):
         def copies(j, slot):
-            col = pl.ds(_aligned(j * tv, tv), width)
+            col = pl.ds(ops.aligned(j * tv, tv), width)
             if cfg.tie_word_embeddings:  # embed [V, D]: row tiles
                 src, dst = r.head_hbm.at[col, :], r.head_buf_ref.at[slot, pl.ds(0, width), :]
             else:  # lm_head [D, V]: column tiles
@@ -615,23 +505,23 @@ def _kernel(*refs, p, names):
     ring, mlp_ring = bs.weight_ring, bs.mlp_ring  # qkv / o / LM head rings; the MLP's
 
     def open_q(li, prev_ahead):
-        return _opener(proj_copies("wq", li), 0, nq, ring, prev_ahead)
+        return ops.opener(proj_copies("wq", li), 0, nq, ring, prev_ahead)
 
     def layer(li, carry):
-        r.h_ref[...] = _rms(r.x_ref[...], r.attn_norm_ref[pl.ds(li, 1), :], eps).astype(p.wdtype)
+        r.h_ref[...] = ops.rms(r.x_ref[...], r.attn_norm_ref[pl.ds(li, 1), :], eps).astype(p.wdtype)
         qkv = [("q", nq), ("k", nk), ("v", nk)]
         offset = 0  # q, k and v share one ring
         for idx, (name, n) in enumerate(qkv):
             if idx + 1 < len(qkv):
-                nxt = _opener(proj_copies(f"w{qkv[idx + 1][0]}", li), offset + n, qkv[idx + 1][1],
-                              ring, ring - 1)  # fmt: skip
+                nxt_name, nxt_n = qkv[idx + 1]
+                nxt = ops.opener(proj_copies(f"w{nxt_name}", li), offset + n, nxt_n, ring, ring - 1)
             else:
-                nxt = _opener(o_copies(li), 0, no, ring, ring - 1)
+                nxt = ops.opener(o_copies(li), 0, no, ring, ring - 1)
             body = functools.partial(_project, r, p, li, name)
-            _stream(n, offset, proj_copies(f"w{name}", li), body, ring=ring, nxt=nxt)
+            ops.stream(n, offset, proj_copies(f"w{name}", li), body, ring=ring, nxt=nxt)
             offset += n
 
-        jax.lax.fori_loop(0, p.B, functools.partial(_attend_row, r, p, li), 0)
+        jax.lax.fori_loop(0, p.B, functools.partial(attention.attend_row, r, p, li), 0)
 
         def o_tile(j, slot, c):
             # Row tile j of wo covers heads [j * hpt, (j + 1) * hpt): x += sum_h attn_h @ wo_h.
@@ -639,15 +529,15 @@ def _kernel(*refs, p, names):
             acc = acc_ref[...]
             for t in range(hpt):
                 w = r.o_buf_ref[slot, pl.ds(t * p.hd, p.hd), :]
-                acc = acc + _dot(r.attn_ref[j * hpt + t], w)
+                acc = acc + ops.dot(r.attn_ref[j * hpt + t], w)
             acc_ref[...] = acc
             return c
 
         start_update()
-        nxt = _opener(mlp_copies(li), 0, nf, mlp_ring, ring - 1)
-        _stream(no, 0, o_copies(li), o_tile, ring=ring, nxt=nxt)
+        nxt = ops.opener(mlp_copies(li), 0, nf, mlp_ring, ring - 1)
+        ops.stream(no, 0, o_copies(li), o_tile, ring=ring, nxt=nxt)
         reduce_into_x()  # the first MLP tiles are already in flight
-        r.h_ref[...] = _rms(r.x_ref[...], r.mlp_norm_ref[pl.ds(li, 1), :], eps).astype(p.wdtype)
+        r.h_ref[...] = ops.rms(r.x_ref[...], r.mlp_norm_ref[pl.ds(li, 1), :], eps).astype(p.wdtype)
 
         def next_layer_or_head(k):
             @pl.when(li + 1 < p.L)
@@ -660,22 +550,22 @@ def _kernel(*refs, p, names):
 
         def mlp_tile(j, slot, c):
             hx = r.h_ref[...]
-            g = _dot(hx, r.gate_buf_ref[slot])
-            u = _dot(hx, r.up_buf_ref[slot])
+            g = ops.dot(hx, r.gate_buf_ref[slot])
+            u = ops.dot(hx, r.up_buf_ref[slot])
             a = (g * jax.nn.sigmoid(g) * u).astype(p.wdtype)
-            acc_ref[...] = acc_ref[...] + _dot(a, r.down_buf_ref[slot])
+            acc_ref[...] = acc_ref[...] + ops.dot(a, r.down_buf_ref[slot])
             return c
 
         start_update()
-        _stream(nf, 0, mlp_copies(li), mlp_tile, ring=mlp_ring, nxt=next_layer_or_head)
+        ops.stream(nf, 0, mlp_copies(li), mlp_tile, ring=mlp_ring, nxt=next_layer_or_head)
         reduce_into_x()  # the next layer's first tiles are already in flight
         return carry
 
-    open_head = _opener(head_copies(tv), 0, nv, ring, mlp_ring - 1)
+    open_head = ops.opener(head_copies(tv), 0, nv, ring, mlp_ring - 1)
     open_tail = None
     if v_tail:  # a one-tile stream after the full-width ones: its tile 0 is tile nv
         tail = lambda k, slot: head_copies(v_tail)(k + nv, slot)  # noqa: E731
-        open_tail = _opener(tail, nv, 1, ring, ring - 1)
+        open_tail = ops.opener(tail, nv, 1, ring, ring - 1)
     r.x_ref[...] = r.x0_ref[...]
     for k in range(ring - 1):
         open_q(0, ring - 1)(k)
@@ -684,11 +574,11 @@ def _kernel(*refs, p, names):
     jax.lax.fori_loop(0, p.L, layer, 0)
 
     # ---- LM head over vocabulary tiles, running (max, argmax) per row
-    r.h_ref[...] = _rms(r.x_ref[...], r.final_norm_ref[...], eps).astype(p.wdtype)
+    r.h_ref[...] = ops.rms(r.x_ref[...], r.final_norm_ref[...], eps).astype(p.wdtype)
 
     def out_copy(j, width):  # staged through a two-slot buffer, slot j % 2
-        col = pl.ds(_aligned(j * tv, tv), width)
-        stage = _rem(j, 2)
+        col = pl.ds(ops.aligned(j * tv, tv), width)
+        stage = ops.rem(j, 2)
         return pltpu.make_async_copy(
             r.logits_buf_ref.at[stage, :, pl.ds(0, width)],
             r.logits_hbm.at[:, col],
@@ -699,17 +589,17 @@ def _kernel(*refs, p, names):
         def body(j, slot, carry):
             mx, am = carry
             if cfg.tie_word_embeddings:
-                y = _dot_nt(r.h_ref[...], r.head_buf_ref[slot, pl.ds(0, width), :])
+                y = ops.dot_nt(r.h_ref[...], r.head_buf_ref[slot, pl.ds(0, width), :])
             else:
-                y = _dot(r.h_ref[...], r.head_buf_ref[slot, :, pl.ds(0, width)])
+                y = ops.dot(r.h_ref[...], r.head_buf_ref[slot, :, pl.ds(0, width)])
 
             @pl.when(j >= 2)  # the staging slot is free once tile j - 2 reached HBM
             def _():
                 out_copy(j - 2, tv).wait()
 
-            r.logits_buf_ref[_rem(j, 2), :, pl.ds(0, width)] = y
+            r.logits_buf_ref[ops.rem(j, 2), :, pl.ds(0, width)] = y
             out_copy(j, width).start()
-            ids = _iota(y.shape, 1) + j * tv + me * p.V  # this device's vocabulary
+            ids = ops.iota(y.shape, 1) + j * tv + me * p.V  # this device's vocabulary
             if p.V * p.tp != p.vocab:  # padded columns never win
                 y = jnp.where(ids < p.vocab, y, -jnp.inf)
             tile_max = jnp.max(y, axis=1, keepdims=True)
@@ -720,10 +610,10 @@ def _kernel(*refs, p, names):
         return body
 
     init = (jnp.full((p.M, 1), -jnp.inf, jnp.float32), jnp.zeros((p.M, 1), jnp.int32))
-    carry = _stream(nv, 0, head_copies(tv), head_tile(tv), ring=ring, nxt=open_tail, init=init)
+    carry = ops.stream(nv, 0, head_copies(tv), head_tile(tv), ring=ring, nxt=open_tail, init=init)
     widths = [tv] * nv
     if v_tail:  # the tail tile is in flight (`open_tail`), in ring slot nv % ring
-        _wait(head_copies(v_tail)(nv, nv % ring))
+        ops.wait(head_copies(v_tail)(nv, nv % ring))
         carry = head_tile(v_tail)(nv, nv % ring, carry)
         widths.append(v_tail)
     for j in range(max(0, len(widths) - 2), len(widths)):  # the copies still in flight
@@ -738,7 +628,7 @@ def _kernel(*refs, p, names):
 def _project(r, p, li, name, j, slot, carry):
     """qkv tile j of `name` ("q", "k" or "v"): bias, q/k norm, RoPE; stores it head-major."""
     cfg, tp, hd = p.cfg, p.bs.proj_cols, p.hd
-    y = _dot(r.h_ref[...], r.qkv_buf_ref[slot])  # [M, tp]
+    y = ops.dot(r.h_ref[...], r.qkv_buf_ref[slot])  # [M, tp]
     if cfg.attention_bias:  # b{name} is f32[L, tiles, tp]
         y = y + getattr(r, f"b{name}_ref")[li, pl.ds(j, 1), :]
     hpt = tp // hd
@@ -746,7 +636,7 @@ def _project(r, p, li, name, j, slot, carry):
     if name != "v":
         if cfg.qk_norm:
             w = getattr(r, f"{name}_norm_ref")[pl.ds(li, 1), :]
-            heads = [_rms(x, w, cfg.rms_norm_eps) for x in heads]
+            heads = [ops.rms(x, w, cfg.rms_norm_eps) for x in heads]
             y = jnp.concatenate(heads, axis=1) if hpt > 1 else heads[0]
         y = _rope(y, r.cos_ref[...], r.sin_ref[...], hd)
         heads = [y[:, t * hd : (t + 1) * hd] for t in range(hpt)]
@@ -765,141 +655,8 @@ def _rope(y, cos, sin, hd):
     width, half = y.shape[1], hd // 2
     ahead = pltpu.roll(y, width - half, 1)  # y[c + half]
     behind = pltpu.roll(y, half, 1)  # y[c - half]
-    partner = jnp.where(jax.lax.rem(_iota(y.shape, 1), hd) < half, ahead, behind)
+    partner = jnp.where(jax.lax.rem(ops.iota(y.shape, 1), hd) < half, ahead, behind)
     return y * cos + partner * sin
-
-
-def _attend_row(r, p, li, b, carry):
-    """Attention of sequence b in layer `li`, one KV head at a time; writes its block K/V."""
-    np_, g_, hd = p.Np, p.G, p.hd
-    row0 = pl.multiple_of(b * np_, 8)
-    slot = r.slots_ref[b]
-    length = r.lens_ref[b]  # 0 for inactive rows
-    mask = r.attn_mask_ref[b] > 0  # [Np, Np]
-    mask = jnp.concatenate([mask] * g_, axis=0) if g_ > 1 else mask
-    qpos = r.qpos_ref[pl.ds(row0, np_), :]
-    qpos = jnp.concatenate([qpos] * g_, axis=0) if g_ > 1 else qpos
-    scale = 1.0 / math.sqrt(hd)
-
-    def head(g, c):
-        heads = pl.ds(g * g_, g_)
-        q = r.q_ref[heads, pl.ds(row0, np_), :].reshape(g_ * np_, hd) * scale
-        s = jnp.where(mask, _dot_nt(q, r.k_ref[g, pl.ds(row0, np_), :]), _NEG)
-        m = jnp.max(s, axis=1, keepdims=True)  # finite: every row sees itself
-        e = jnp.exp(s - m)
-        acc = _dot(e, r.v_ref[g, pl.ds(row0, np_), :])
-        init = (m, jnp.sum(e, axis=1, keepdims=True), acc)
-        _, lsum, acc = _attend_cache(r, p, li, g, jnp.maximum(slot, 0), length, q, qpos, init)
-        out = acc / lsum
-        r.attn_ref[heads, pl.ds(row0, np_), :] = out.reshape(g_, np_, hd).astype(p.wdtype)
-        _write_block_kv(r, p, li, g, row0, slot, length)
-        return c
-
-    return jax.lax.fori_loop(0, p.K, head, carry)
-
-
-def _attend_cache(r, p, li, g, slot, length, q, qpos, carry):
-    """Online softmax over the committed KV of (slot, head g): ceil(length / kv_rows) tiles."""
-    tkv, t_len = p.bs.kv_rows, p.T
-    n_tiles = jax.lax.div(length + tkv - 1, tkv)  # lax ops: jnp's // and % need a chip
-    window = p.cfg.sliding_window
-
-    def tile_start(t):
-        # The last tile may slide back to stay inside the cache; `t * tkv` still bounds it.
-        start = jnp.minimum(t * tkv, t_len - tkv)
-        return pl.multiple_of(start, 16) if tkv % 16 == 0 and t_len % 16 == 0 else start
-
-    def copies(t, s):
-        rows = pl.ds(tile_start(t), tkv)
-        return (
-            pltpu.make_async_copy(
-                r.k_hbm.at[li, slot, g, rows, :], r.kbuf_ref.at[s], r.kv_sem.at[0, s]
-            ),
-            pltpu.make_async_copy(
-                r.v_hbm.at[li, slot, g, rows, :], r.vbuf_ref.at[s], r.kv_sem.at[1, s]
-            ),
-        )
-
-    @pl.when(n_tiles > 0)
-    def _():
-        for c in copies(0, 0):
-            c.start()
-
-    def body(t, carry):
-        m, lsum, acc = carry
-        s = jax.lax.rem(t, 2)
-
-        @pl.when(t + 1 < n_tiles)
-        def _():
-            for c in copies(t + 1, 1 - s):
-                c.start()
-
-        for c in copies(t, s):
-            c.wait()
-        start = tile_start(t)
-        pos_col = start + _iota((tkv, 1), 0)
-        live_col = (pos_col >= t * tkv) & (pos_col < length)
-        # Zero dead rows: unused cache slots may hold NaN, and 0 * NaN is NaN.
-        k = jnp.where(live_col, r.kbuf_ref[s].astype(jnp.float32), 0.0)
-        v = jnp.where(live_col, r.vbuf_ref[s].astype(jnp.float32), 0.0)
-        pos_row = start + _iota((1, tkv), 1)
-        live = (pos_row >= t * tkv) & (pos_row < length)
-        if window is not None:
-            live = live & (qpos - pos_row < window)
-        sc = jnp.where(live, _dot_nt(q, k), _NEG)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1, keepdims=True))
-        alpha = jnp.exp(m - m_new)
-        e = jnp.exp(sc - m_new)
-        lsum = alpha * lsum + jnp.sum(e, axis=1, keepdims=True)
-        return m_new, lsum, alpha * acc + _dot(e, v)
-
-    return jax.lax.fori_loop(0, n_tiles, body, carry)
-
-
-def _write_block_kv(r, p, li, g, row0, slot, length):
-    """Writes the block's K/V of head g to cache positions [length, length + N + 1)."""
-    n1, t_len = p.N1, p.T
-
-    @pl.when((slot >= 0) & (length + n1 <= t_len))
-    def _():
-        for i, (src, dst) in enumerate(((r.k_ref, r.k_hbm), (r.v_ref, r.v_hbm))):
-            if np.dtype(p.cdtype).itemsize >= 4:  # 32-bit rows: any offset is a legal DMA
-                cp = pltpu.make_async_copy(
-                    src.at[g, pl.ds(row0, n1), :],
-                    dst.at[li, slot, g, pl.ds(length, n1), :],
-                    r.wr_sem.at[i],
-                )
-                cp.start()
-                cp.wait()
-            else:
-                _write_rows_aligned(r, p, src, dst.at[li, slot, g], g, row0, length, i)
-
-
-def _write_rows_aligned(r, p, src, dst, g, row0, length, i):
-    """16-bit caches: rewrite the 16-row-aligned window around the N + 1 new rows.
-
-    The new rows are shifted to their offset inside the window by a one-hot matmul
-    (exact: one non-zero product per output), then merged with the window's old rows.
-    """
-    w, n1, np_ = p.rmw_rows, p.N1, p.Np
-    align = tuning.sublane_tile(p.cdtype)
-    start = pl.multiple_of(jnp.minimum(length - jax.lax.rem(length, align), p.T - w), align)
-    offset = length - start
-    window = dst.at[pl.ds(start, w), :]
-    read = pltpu.make_async_copy(window, r.rmw_buf_ref, r.wr_sem.at[i])
-    read.start()
-    read.wait()
-    new = src[g, pl.ds(row0, np_), :].astype(p.cdtype)  # [Np, hd]
-    rows, cols = _iota((w, np_), 0), _iota((w, np_), 1)
-    shift = ((rows == cols + offset) & (cols < n1)).astype(p.cdtype)
-    shifted = _dot(shift, new)  # [W, hd]
-    row = _iota((w, 1), 0)
-    take = (row >= offset) & (row < offset + n1)
-    old = r.rmw_buf_ref[...].astype(jnp.float32)
-    r.rmw_buf_ref[...] = jnp.where(take, shifted, old).astype(p.cdtype)
-    write = pltpu.make_async_copy(r.rmw_buf_ref, window, r.wr_sem.at[i])
-    write.start()
-    write.wait()
 
 
 def _greedy_row(r, p, b, carry):
@@ -915,7 +672,7 @@ def _greedy_row(r, p, b, carry):
     tok, par, valid, depth = (cols[:, c : c + 1] for c in range(4))
     rows_ = r.tree_rows_ref[b]  # [2, Np]
     par_row, valid_row = rows_[0:1], rows_[1:2]
-    ri, ci = _iota((np_, np_), 0), _iota((np_, np_), 1)
+    ri, ci = ops.iota((np_, np_), 0), ops.iota((np_, np_), 1)
     eye = ri == ci
 
     def to_row(col):  # [Np, 1] -> [1, Np]
@@ -937,7 +694,7 @@ def _greedy_row(r, p, b, carry):
     nodes = jnp.sum(jnp.where(at_depth, ri - 1, 0), axis=0, keepdims=True)
     found = jnp.max(jnp.where(at_depth, 1, 0), axis=0, keepdims=True)
     nodes = jnp.where(found > 0, nodes, -1)
-    last = (on_path & (depth == num)) | ((_iota((np_, 1), 0) == 0) & (num == 0))
+    last = (on_path & (depth == num)) | ((ops.iota((np_, 1), 0) == 0) & (num == 0))
     bonus = jnp.sum(jnp.where(last, am, 0), axis=0, keepdims=True)
     r.verdict_ref[b] = jnp.concatenate(
         [

@@ -443,7 +443,7 @@ def step_block_sizes(
 
 def weight_bytes_in_flight(cfg: ModelConfig, bs: BlockSizes, weight_dtype) -> dict[str, int]:
     """Bytes of weight DMAs outstanding while each stream computes a tile: the
-    `weight_ring - 1` tiles ahead of it (`kernel._stream`). `cfg` is one device's part."""
+    `weight_ring - 1` tiles ahead of it (`ops.stream`). `cfg` is one device's part."""
     d, item = cfg.hidden_size, np.dtype(weight_dtype).itemsize
     qkv_cols = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     tile = {  # (elements per tile, tiles per stream)

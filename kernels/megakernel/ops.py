@@ -1,0 +1,118 @@
+"""In-kernel building blocks of the verify megakernel: small matmul / index helpers and
+the weight DMA rings (`stream`, `opener`: see the `kernel` module docstring)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+NEG = -1e30  # finite "minus infinity" (the reference's), so masked rows stay NaN-free
+
+
+def aligned(x, m):
+    """pl.multiple_of for traced offsets; static ones need no hint."""
+    return x if isinstance(x, int) else pl.multiple_of(x, m)
+
+
+def dot(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def dot_nt(a, b):
+    """a [m, k] @ b[n, k].T with f32 accumulation."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def rms(x, w, eps):
+    """x f32[r, c] normalised over its last axis, times w f32[1, c]."""
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def iota(shape, axis):
+    return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def rem(x, m):
+    """x % m for a static or a traced index (lax: jnp's // and % ask for a chip)."""
+    return x % m if isinstance(x, int) else jax.lax.rem(x, m)
+
+
+def start(copies):
+    for c in copies:
+        c.start()
+
+
+def wait(copies):
+    for c in copies:
+        c.wait()
+
+
+def stream(n, offset, copies, body, *, ring, nxt=None, init=0):
+    """A fori_loop over n streamed tiles; tile j sits in ring slot (offset + j) % ring.
+
+    On entry tiles 0 .. min(n, ring - 1) - 1 are in flight (started by the stream
+    before). Step j starts tile j + ring - 1 into the slot tile j - 1 freed, waits for
+    tile j and runs `body(j, slot, carry)`; past the end it starts the next stream's
+    first tiles instead (`nxt(k)`, from `opener`), so that stream finds them in
+    flight and the DMA queue never drains. `copies(j, slot)` lists tile j's DMAs.
+    """
+    ahead = ring - 1
+    if nxt is not None:
+        for k in range(ahead - n):  # shorter than the look-ahead: its successor starts now
+            nxt(k)
+
+    def step(j, carry):
+        slot = rem(j + offset, ring)
+        t = j + ahead
+
+        @pl.when(t < n)
+        def _():
+            start(copies(t, rem(t + offset, ring)))
+
+        if nxt is not None:
+
+            @pl.when(t >= n)
+            def _():
+                nxt(t - n)
+
+        wait(copies(j, slot))
+        return body(j, slot, carry)
+
+    return jax.lax.fori_loop(0, n, step, init)
+
+
+def opener(copies, offset, n, ring, prev_ahead):
+    """nxt(k) for `stream`: starts tile k of a stream of n tiles (its ring has `ring`
+    slots, offset `offset`) when that stream expects it in flight on entry.
+
+    The stream before calls nxt(0) .. nxt(prev_ahead - 1) (its look-ahead past its
+    end); when this stream's ring is deeper, the last call also starts the tiles
+    beyond, so the stream always enters with min(n, ring - 1) tiles in flight.
+    """
+    first = min(n, ring - 1)
+
+    def begin(k):
+        start(copies(k, rem(k + offset, ring)))
+
+    def nxt(k):
+        if isinstance(k, int):
+            if k < first:
+                begin(k)
+            if k == prev_ahead - 1:
+                for extra in range(prev_ahead, first):
+                    begin(extra)
+            return
+
+        @pl.when(k < first)
+        def _():
+            begin(k)
+
+        if first > prev_ahead:
+
+            @pl.when(k == prev_ahead - 1)
+            def _():
+                for extra in range(prev_ahead, first):
+                    begin(extra)
+
+    return nxt
