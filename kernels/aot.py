@@ -20,10 +20,9 @@ ceiling in steps/s and tokens/s at the given acceptance length.
 one instance per device under `shard_map`, collectives inside) and reports per
 device: HBM held and read, VMEM, weight bytes in flight, the bytes sent to other
 devices per step (`shard.step_bytes_sent`) and a second ceiling that adds their
-time over ICI. Bandwidths (`tuning.CHIPS`, published, per chip): HBM 7.37 TB/s
-TPU7x, 1.64 TB/s v6e, 0.82 TB/s v5e; ICI bidirectional 1.2 TB/s TPU7x (Google's
-Ironwood announcement), 800 GB/s v6e and 400 GB/s v5e (Cloud TPU v6e / v5e pages).
-Every ceiling is a PROJECTION from bytes and bandwidth, never a measurement.
+time over ICI. The HBM and ICI bandwidths are the chips' published figures, with
+their sources, in `tuning.CHIPS`. Every ceiling is a PROJECTION from bytes and
+bandwidth, never a measurement.
 
 By default the megakernel's `pallas_call` with its operand preparation is compiled
 (that is everything of a greedy step). `--with-sampling` compiles the full

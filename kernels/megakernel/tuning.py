@@ -45,7 +45,9 @@ class Chip:
 
 GIB = 1024 * MIB
 # Each chip's published VMEM, HBM bandwidth, TensorCores, HBM capacity and ICI
-# bandwidth (the vendor's specification sheets and announcements, not measurements).
+# bandwidth (bidirectional, per chip): the vendor's specification sheets (Cloud TPU
+# v6e / v5e pages) and, for TPU7x's ICI, Google's Ironwood announcement. Not
+# measurements.
 CHIPS = {
     "tpu7x": Chip("tpu7x", 64 * MIB, 7.37e12, 2, 192 * GIB, 1.2e12),
     "v6e": Chip("v6e", 128 * MIB, 1.64e12, 1, 32 * GIB, 0.8e12),
