@@ -75,9 +75,9 @@ def spy_verify_widths(target) -> list[int]:
     """The width of every tree `target` verifies from now on, in order."""
     verify, widths = target._verify, []
 
-    def spy(r, cfg, roots, tree, *args):
+    def spy(r, roots, tree, *args):
         widths.append(tree.tokens.shape[1])
-        return verify(r, cfg, roots, tree, *args)
+        return verify(r, roots, tree, *args)
 
     target._verify = spy
     return widths
