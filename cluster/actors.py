@@ -139,6 +139,7 @@ class TargetActor(_Host):
         rank: int = 0,
         coordinator: str | None = None,
         kernel: str = "auto",
+        kv_cache_memory: int | None = None,
     ):
         super().__init__(num_devices, num_hosts, rank, coordinator)
         from specdec import plan, workers
@@ -146,9 +147,15 @@ class TargetActor(_Host):
         from specdec.kernels import sharding
 
         # Decided here, on the host that runs the products (`plan.resolve_dtype`).
-        dtype = plan.resolve_dtype(model, dtype, rows=num_slots * (1 + max_tree_nodes))
+        dtype = plan.resolve_dtype(model, dtype, rows=plan.PLAN_SLOTS * (1 + max_tree_nodes))
         self.dtype = dtype
         self.cfg, params = load_model(model, dtype=dtype)
+        # This group's own KV budget (its host's memory), for its own model only.
+        _, num_blocks = workers.kv_pool(
+            self.cfg, None, dtype, budget=kv_cache_memory, num_slots=num_slots,
+            max_len=max_model_len + max_tree_nodes + 1,
+            kernel=workers.resolve_kernel(kernel, self.cfg, self.mesh.size),
+        )  # fmt: skip
         self.worker = workers.TargetWorker(
             self.cfg,
             params,
@@ -157,9 +164,14 @@ class TargetActor(_Host):
             max_tree_nodes=max_tree_nodes,
             kernel=kernel,
             plan=plan.make_plan(
-                self.cfg, dtype=dtype, spec=None, num_slots=num_slots, max_tree_nodes=max_tree_nodes
-            ),
+                self.cfg,
+                dtype=dtype,
+                spec=None,
+                num_slots=plan.PLAN_SLOTS,
+                max_tree_nodes=max_tree_nodes,
+            ),  # fmt: skip
             mesh=self.mesh,
+            num_blocks=num_blocks,
         )
         self.num_slots = num_slots
         self.max_tree_nodes = max_tree_nodes
@@ -173,6 +185,7 @@ class TargetActor(_Host):
             placement=self.placement,
             dtype=self.dtype,
             kernel=self.worker.kernel,
+            kv_capacity=list(self.worker.kv_capacity()),
         )
 
     def prefill(self, data: bytes) -> bytes:
@@ -233,6 +246,7 @@ class DraftActor(_Host):
         num_hosts: int = 1,
         rank: int = 0,
         coordinator: str | None = None,
+        kv_cache_memory: int | None = None,
     ):
         super().__init__(num_devices, num_hosts, rank, coordinator)
         from specdec import plan, workers
@@ -242,9 +256,17 @@ class DraftActor(_Host):
 
         spec = SpeculativeConfig.from_dict(spec)
         # Decided here, for the rows a step verifies (as in-process), and the tree with it.
-        dtype = plan.resolve_dtype(target_model, dtype, rows=plan.verify_rows(spec, num_slots))
+        dtype = plan.resolve_dtype(
+            target_model, dtype, rows=plan.verify_rows(spec, plan.PLAN_SLOTS)
+        )
         self.target_cfg = load_config(target_model)
-        tree, note = plan.tree_shape(spec, self.target_cfg, dtype, num_slots)
+        tree, note = plan.tree_shape(spec, self.target_cfg, dtype, plan.PLAN_SLOTS)
+        num_blocks = None
+        if spec.method == "draft_model":  # this group's own KV budget, for the draft only
+            _, num_blocks = workers.kv_pool(
+                load_config(spec.model), None, dtype, budget=kv_cache_memory,
+                num_slots=num_slots, max_len=max_model_len + tree.num_nodes + 1, kernel="xla",
+            )  # fmt: skip
         self.drafter = workers.build_drafter(
             spec,
             plan=plan.Plan(dtype=dtype, tree=tree, tree_note=note),
@@ -252,6 +274,7 @@ class DraftActor(_Host):
             target_config=self.target_cfg,
             num_slots=num_slots,
             max_model_len=max_model_len,
+            num_blocks=num_blocks,
         )
         runner = getattr(self.drafter, "runner", None)
         if runner is not None and self.mesh.size > 1:
@@ -266,7 +289,10 @@ class DraftActor(_Host):
         self.hits = self.misses = 0
 
     def hello(self) -> bytes:
-        return self._info(max_nodes=int(self.drafter.max_nodes), can_speculate=self.can_speculate)
+        runner = getattr(self.drafter, "runner", None)
+        cap = None if runner is None else list(runner.kv_capacity())
+        return self._info(max_nodes=int(self.drafter.max_nodes), can_speculate=self.can_speculate,
+                          kv_capacity=cap)  # fmt: skip
 
     def restore(self, data: bytes) -> bytes:
         msg = self._open(data, "restore")

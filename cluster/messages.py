@@ -635,6 +635,14 @@ def _hello(msg: dict, num_slots: int | None) -> None:
         raise MessageError(
             f"field 'can_speculate' must be a bool, got {_describe(msg['can_speculate'])}."
         )
+    cap = msg.get("kv_capacity")
+    if cap is not None:  # (block size, blocks, positions per sequence); None: no cache
+        if type(cap) is not list or len(cap) != 3:
+            raise MessageError(
+                f"field 'kv_capacity' must be a list of 3 ints, got {_describe(cap)}."
+            )
+        for i, v in enumerate(cap):
+            _int(v, f"kv_capacity[{i}]", 1)
     if "placement" in msg:
         placement = msg["placement"]
         if type(placement) is not dict:
@@ -649,7 +657,17 @@ _SAMPLING_FIELDS = frozenset(f"sampling_{k}" for k in _SAMPLING)
 _SCHEMAS: dict[str, _Schema] = {
     "hello": _Schema(
         frozenset({"incarnation", "pid", "rank", "devices"}),
-        frozenset({"vocab_size", "placement", "dtype", "kernel", "max_nodes", "can_speculate"}),
+        frozenset(
+            {
+                "vocab_size",
+                "placement",
+                "dtype",
+                "kernel",
+                "max_nodes",
+                "can_speculate",
+                "kv_capacity",
+            }
+        ),
         _hello,
     ),
     "prefill": _Schema(

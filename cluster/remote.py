@@ -196,6 +196,10 @@ class RemoteTarget:
         self.info = _started(endpoint)
         self.incarnation = self.info["incarnation"]
 
+    def kv_capacity(self) -> tuple[int, int, int]:
+        """The target actor's `TargetWorker.kv_capacity` (told at start-up)."""
+        return tuple(self.info["kv_capacity"])
+
     def prefill(self, slots, prompts, sampling: SamplingBatch) -> np.ndarray:
         self.round += 1
         rnd, prompts = self.round, [[int(t) for t in p] for p in prompts]
@@ -334,6 +338,11 @@ class RemoteDrafter:
         self.dead = False
 
     # -- the Drafter protocol
+
+    def kv_capacity(self) -> tuple[int, int, int] | None:
+        """The draft actor's KV capacity (None: an n-gram drafter holds no cache)."""
+        cap = self.info.get("kv_capacity")
+        return None if cap is None else tuple(cap)
 
     def start(self, slots, prompts, roots) -> None:
         prompts = [[int(t) for t in p] for p in prompts]
@@ -532,6 +541,7 @@ def remote_workers(
     num_slots: int,
     max_model_len: int,
     kernel: str = "auto",
+    kv_cache_memory: int | None = None,  # per group: each budgets its own host's memory
 ) -> tuple[RemoteTarget, RemoteDrafter | None]:
     """Reserves both groups, starts the actors and returns the engine's two proxies.
 
@@ -557,7 +567,7 @@ def remote_workers(
             handles = placement.spawn(
                 DraftActor, cluster.draft, pg, f"{cluster.name}-draft", spec, target_model=model,
                 dtype=dtype, num_slots=num_slots, max_model_len=max_model_len,
-                num_devices=cluster.draft.num_devices,
+                num_devices=cluster.draft.num_devices, kv_cache_memory=kv_cache_memory,
             )  # fmt: skip
             spawned += handles
             drafter = RemoteDrafter(
@@ -571,6 +581,7 @@ def remote_workers(
             num_slots=num_slots, max_model_len=max_model_len,
             max_tree_nodes=drafter.max_nodes if drafter is not None else 0,
             num_devices=cluster.target.num_devices, kernel=kernel,
+            kv_cache_memory=kv_cache_memory,
         )  # fmt: skip
         spawned += handles
         target = RemoteTarget(

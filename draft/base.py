@@ -40,6 +40,15 @@ class DraftBatch:
             self, tokens=np.array(self.tokens), parents=np.array(self.parents)
         )
 
+    def rows(self, idx: np.ndarray) -> DraftBatch:
+        """Rows `idx` (slot ids) of these trees, in that order (device arrays stay
+        on the device)."""
+        probs = self.draft_probs
+        return dataclasses.replace(
+            self, tokens=self.tokens[idx], parents=self.parents[idx],
+            draft_probs=None if probs is None else probs[idx],
+        )  # fmt: skip
+
     @classmethod
     def empty(cls, num_slots: int, max_nodes: int = 0) -> DraftBatch:
         """All-padding trees (plain decoding, or a drafter with nothing to say)."""

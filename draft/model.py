@@ -51,7 +51,7 @@ import numpy as np
 
 from specdec.kernels import transformer
 from specdec.kernels.config import ModelConfig
-from specdec.kernels.runner import ModelRunner
+from specdec.kernels.runner import ModelRunner, live_rows
 from specdec.kernels.transformer import Params
 from specdec.verify.batch import SamplingBatch
 from specdec.verify.sampling import repetition_penalized
@@ -61,14 +61,12 @@ from .base import PAD_PARENT, DraftBatch
 
 
 class KVWrite(NamedTuple):
-    """A commit's K/V write, deferred to the next `_grow`: `transformer.write_kv`'s
-    arguments after the cache."""
+    """A commit's K/V write, deferred to the next `_grow`: which slots' side entries
+    (`ModelDrafter._side`, read when the write is applied) go where."""
 
-    ks: jax.Array  # [L, S, P + R, K, hd] the side buffer's keys
-    vs: jax.Array
-    slots: np.ndarray  # i32[S], -1 = write nothing for that slot
-    starts: np.ndarray  # i32[S] cache position of the first entry written
-    keep: np.ndarray  # i32[S, P + D] side entries to write, in order
+    slots: np.ndarray  # i32[B] the slot of each row, -1 = write nothing
+    starts: np.ndarray  # i32[B] cache position of the first entry written
+    keep: np.ndarray  # i32[B, P + D] side entries to write, in order
 
 
 def num_candidates(topk: int, max_depth: int) -> int:
@@ -92,6 +90,7 @@ class ModelDrafter:
         max_depth: int,
         topk: int,
         vocab_limit: int | None = None,
+        num_blocks: int | None = None,  # paged KV pool (`blocks.num_blocks_for`); None = all
     ):
         self.cfg = cfg
         if num_nodes <= max_depth:
@@ -112,33 +111,33 @@ class ModelDrafter:
             # A draft's products are small: their count, not their bytes, sets its
             # speed (the draft is never sharded, see cluster/actors.py).
             fuse=True,
+            num_blocks=num_blocks,
         )
         self.pending: list[list[int]] = [[] for _ in range(num_slots)]
         self._expanded = np.full((num_slots, self.max_nodes), -1, np.int32)
         self._root_pos = np.zeros(num_slots, np.int32)
         self._pend_len = np.ones(num_slots, np.int32)
-        # The last tree's side K/V (pending tokens, then expanded nodes; see `_grow`).
+        # The last tree's side K/V per slot (pending tokens, then expanded nodes; see
+        # `_grow`, which writes only its live rows' entries).
         side = transformer.SideKV.zeros(
             cfg, num_slots, self.pending_len + _side_region(self.max_depth, self.topk)
         )
         self._side = (side.k, side.v)
         self._deferred = self._no_commit()  # the last commit's K/V writes, not yet applied
 
-    def _no_commit(self) -> KVWrite:
-        """A write of nothing (every slot -1)."""
-        s_count = self.runner.num_slots
+    def _no_commit(self, rows: int = 1) -> KVWrite:
+        """A write of nothing (`rows` rows, every slot -1)."""
         return KVWrite(
-            *self._side,
-            np.full(s_count, -1, np.int32),
-            np.zeros(s_count, np.int32),
-            np.zeros((s_count, self.pending_len + self.max_depth), np.int32),
+            np.full(rows, -1, np.int32),
+            np.zeros(rows, np.int32),
+            np.zeros((rows, self.pending_len + self.max_depth), np.int32),
         )
 
     def _flush(self) -> None:
         """Applies the deferred commit now (before any call but `_grow`, which fuses it)."""
         if (self._deferred.slots >= 0).any():
             r = self.runner
-            r.cache = transformer.write_kv(r.cache, *self._deferred)
+            r.cache = _write_side(r.cache, *self._side, *self._deferred)
             self._deferred = self._no_commit()
 
     def start(self, slots, prompts, roots) -> None:
@@ -155,35 +154,49 @@ class ModelDrafter:
         """Rows will grow to about `lengths` tokens: proposals read that many positions."""
         self.runner.reserve(slots, lengths)
 
+    def kv_capacity(self) -> tuple[int, int, int]:
+        """The draft cache's (block size, blocks, positions per slot)."""
+        return self.runner.kv_capacity()
+
     def propose(self, active, roots, sampling: SamplingBatch) -> DraftBatch:
         r = self.runner
         s_count = r.num_slots
-        pend = np.zeros((s_count, self.pending_len), np.int32)
-        pend_len = np.ones(s_count, np.int32)
-        for s in np.flatnonzero(active):
+        active = np.asarray(active, bool)
+        slots = live_rows(active, s_count)  # the step runs over the live rows only
+        b = len(slots)
+        pend = np.zeros((b, self.pending_len), np.int32)
+        pend_len = np.ones(b, np.int32)
+        pend_len_slots = np.ones(s_count, np.int32)
+        for i, s in enumerate(slots[slots >= 0]):
             p = self.pending[s]
-            pend[s, : len(p)] = p
-            pend_len[s] = len(p)
-        slots = np.where(active, np.arange(s_count), -1).astype(np.int32)
+            pend[i, : len(p)] = p
+            pend_len[i] = pend_len_slots[s] = len(p)
+        take = np.maximum(slots, 0)
         seen = penalty = None
         if sampling is not None and sampling.seen is not None:
             # Penalised rows: rank children as the target will (by the committed tokens;
             # a node's own path is not counted here, only in the verify).
             v = self.cfg.vocab_size
-            seen = np.zeros((s_count, v), bool)
+            seen = np.zeros((b, v), bool)
             w = min(v, np.shape(sampling.seen)[1])
-            seen[:, :w] = np.asarray(sampling.seen)[:, :w]
-            penalty = np.asarray(sampling.repetition_penalty, np.float32)
-        # The last commit's K/V writes run inside this same call: one dispatch per step.
+            seen[:, :w] = np.asarray(sampling.seen)[take, :w]
+            penalty = np.asarray(sampling.repetition_penalty, np.float32)[take]
+        # The last commit's K/V writes run inside this same call: one dispatch per step
+        # (a separate one when the batch changed size since, so shapes stay few).
+        if len(self._deferred.slots) != b:
+            self._flush()
         deferred, self._deferred = self._deferred, self._no_commit()
+        if len(deferred.slots) != b:
+            deferred = self._no_commit(b)
         tokens, parents, expanded, side_k, side_v, r.cache = _grow(
             r.params,
             r.cache,
+            *self._side,
             deferred,
             pend,
             pend_len,
             slots,
-            r.cache_lens.copy(),
+            r.cache_lens[take],
             seen,
             penalty,
             cfg=self.cfg,
@@ -200,8 +213,8 @@ class ModelDrafter:
         # (`commit` reads `expanded` after the verdict, when it is long done).
         self._expanded = expanded
         self._side = (side_k, side_v)
-        self._pend_len = pend_len
-        self._root_pos = r.cache_lens + pend_len - 1
+        self._pend_len = pend_len_slots
+        self._root_pos = r.cache_lens + pend_len_slots - 1
         return DraftBatch(tokens, parents, None, self.child_sampling)
 
     def _host_expanded(self) -> np.ndarray:
@@ -211,28 +224,29 @@ class ModelDrafter:
 
     def commit(self, active, accepted_nodes, num_accepted, emitted) -> None:
         r = self.runner
-        s_count = r.num_slots
         p = self.pending_len
+        slots = live_rows(active, r.num_slots)
         # Side entries to write at the row's first pending position, in order: the
         # pending tokens (root last), then the accepted nodes that were expanded.
-        keep = np.zeros((s_count, p + self.max_depth), np.int32)
-        starts = self._root_pos + 1 - self._pend_len
+        keep = np.zeros((len(slots), p + self.max_depth), np.int32)
+        starts = np.zeros(len(slots), np.int32)
         expanded = self._host_expanded()
-        for s in np.flatnonzero(active):
+        for i, s in enumerate(slots[slots >= 0]):
             path = accepted_nodes[s, : num_accepted[s]]
             m = 0
             while m < len(path) and expanded[s, path[m]] >= 0:
                 m += 1
             n = self._pend_len[s]
             row = [*range(n), *(p - 1 + expanded[s, path[:m]])]
-            keep[s, : len(row)] = row
-            keep[s, len(row) :] = row[-1]  # past the new length: overwritten later
+            keep[i, : len(row)] = row
+            keep[i, len(row) :] = row[-1]  # past the new length: overwritten later
+            starts[i] = self._root_pos[s] + 1 - n
             r.cache_lens[s] = self._root_pos[s] + 1 + m
+            r.ensure([s], [r.cache_lens[s]])
             self.pending[s] = [int(t) for t in emitted[s, m : num_accepted[s] + 1]]
-        slots = np.where(active, np.arange(s_count), -1).astype(np.int32)
         self._flush()  # a commit not yet applied (only after two commits in a row)
         # Applied by the next `_grow` (or `_flush`): no dispatch of its own.
-        self._deferred = KVWrite(*self._side, slots, starts.astype(np.int32), keep)
+        self._deferred = KVWrite(slots, starts, keep)
 
     # ------------------------------------------------------------------ overlap hooks
     # Used by the distributed draft worker (cluster/actors.py) to grow tree t + 1
@@ -259,7 +273,8 @@ class ModelDrafter:
         for s in np.flatnonzero(rows):
             rows[s] = expanded[s, chain[s, length[s] - 1]] < 0
         before_expanded, before_root_pos = expanded.copy(), self._root_pos.copy()
-        before_pend_len, before_side = self._pend_len.copy(), self._side
+        # A copy: the propose below donates the side buffers it grows into.
+        before_pend_len, before_side = self._pend_len.copy(), tuple(map(jnp.copy, self._side))
         emitted = np.zeros((s_count, self.max_nodes + 1), np.int32)
         for s in np.flatnonzero(rows):
             emitted[s, : length[s]] = tree.tokens[s, chain[s, : length[s]]]
@@ -336,14 +351,16 @@ class ModelDrafter:
     def _peek(self, rows: np.ndarray) -> np.ndarray:
         """Draft top-1 token after each row's pending tokens but the last: i32[S]."""
         r = self.runner
-        pend = np.zeros((r.num_slots, self.pending_len), np.int32)
-        pend_len = np.ones(r.num_slots, np.int32)
-        for s in np.flatnonzero(rows):
+        slots = live_rows(rows, r.num_slots)
+        live = slots[slots >= 0]
+        pend = np.zeros((len(slots), self.pending_len), np.int32)
+        pend_len = np.ones(len(slots), np.int32)
+        for i, s in enumerate(live):
             p = self.pending[s][:-1]
-            pend[s, : len(p)] = p
-            pend_len[s] = len(p)
-        slots = np.where(rows, np.arange(r.num_slots), -1).astype(np.int32)
+            pend[i, : len(p)] = p
+            pend_len[i] = len(p)
         self._flush()
+        r.ensure(live, r.cache_lens[live] + pend_len[: len(live)])
         # Writes K/V at the pending positions; the next catch-up block rewrites them.
         top1, r.cache = _peek(
             r.params,
@@ -351,13 +368,15 @@ class ModelDrafter:
             pend,
             pend_len,
             slots,
-            r.cache_lens.copy(),
+            r.cache_lens[np.maximum(slots, 0)],
             cfg=self.cfg,
             layout=r.layout,
             vocab_limit=self.vocab_limit,
             kv_len=r.kv_len(rows, int(r.cache_lens[rows].max(initial=0)) + self.pending_len),
         )
-        return np.asarray(top1)
+        out = np.zeros(r.num_slots, np.int32)
+        out[live] = np.asarray(top1)[: len(live)]
+        return out
 
 
 @dataclasses.dataclass
@@ -409,26 +428,43 @@ def _side_region(max_depth: int, topk: int) -> int:
     return max(max_depth - 1, 1) * topk
 
 
+def _apply_side(cache, side_k, side_v, slots, starts, keep):
+    """A deferred `KVWrite`: rows `slots` of the per-slot side buffers into the cache."""
+    take = jnp.maximum(slots, 0)
+    return transformer.write_kv(cache, side_k[:, take], side_v[:, take], slots, starts, keep)
+
+
+_write_side = jax.jit(_apply_side, donate_argnames=("cache",))
+
+
+def _to_slots(x: jax.Array, slots: jax.Array, into: jax.Array, axis: int = 0) -> jax.Array:
+    """`into` with its entries at `slots` (along `axis`) replaced by x's rows; padding
+    rows (slot -1) are dropped."""
+    idx = jnp.where(slots >= 0, slots, into.shape[axis])
+    return into.at[(slice(None),) * axis + (idx,)].set(x.astype(into.dtype), mode="drop")
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "layout", "topk", "max_depth", "num_nodes", "vocab_limit", "kv_len"),
-    donate_argnames=("cache",),
+    donate_argnames=("cache", "side_k", "side_v"),
 )
-def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, penalty, *, cfg,
-          layout, topk, max_depth, num_nodes, vocab_limit, kv_len):  # fmt: skip
-    """The last commit's K/V writes (`deferred`, a `KVWrite`), then catch-up +
-    expansion + rerank (module docstring).
+def _grow(params, cache, side_k, side_v, deferred, pend, pend_len, slots, cache_lens, seen,
+          penalty, *, cfg, layout, topk, max_depth, num_nodes, vocab_limit, kv_len):  # fmt: skip
+    """The last commit's K/V writes (`deferred`, a `KVWrite` over the per-slot side
+    buffers `side_k` / `side_v`), then catch-up + expansion + rerank (module
+    docstring) over the step's live rows (row b is slot slots[b], -1 padding).
 
     After that write the cache is only read: the pending tokens' and the tree
     levels' K/V go to a side buffer (`transformer.SideKV`, side positions
-    [0, P) pending, P + o region offset o), which `commit` writes back. Row s
-    is slot s (`slots[s]` is s, or -1 for an inactive row).
+    [0, P) pending, P + o region offset o), which `commit` writes back.
 
-    Returns tokens i32[B, N], parents i32[B, N] (-1 = child of root), expanded
-    i32[B, N] (the node's K/V offset from the root position, -1 if never run),
-    the side K/V [L, B, P + R, K, hd] (two arrays) and the cache.
+    Returns, per slot (S = the side buffers' slots; slots not run get an empty
+    tree): tokens i32[S, N], parents i32[S, N] (-1 = child of root), expanded
+    i32[S, N] (the node's K/V offset from the root position, -1 if never run),
+    the side K/V [L, S, P + R, K, hd] (two arrays) and the cache.
     """
-    cache = transformer.write_kv(cache, *deferred)
+    cache = _apply_side(cache, side_k, side_v, *deferred)
     b, p = pend.shape
     k = topk
     w = k * k  # candidate slots per level; level 1 uses its first k (the rest stay -inf)
@@ -461,8 +497,7 @@ def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, pena
     def run(tokens, tok_positions, mask, at, side, logit_index=None):
         logits, ks, vs = transformer.block_logits_kv(
             params, cache, tokens, tok_positions, mask, slots, cache_lens, logit_index,
-            cfg=cfg, kv_len=kv_len, side=dataclasses.replace(side, at=at), rows_are_slots=True,
-            layout=layout,
+            cfg=cfg, kv_len=kv_len, side=dataclasses.replace(side, at=at), layout=layout,
         )  # fmt: skip
         return logits, dataclasses.replace(side, k=ks, v=vs)
 
@@ -524,10 +559,13 @@ def _grow(params, cache, deferred, pend, pend_len, slots, cache_lens, seen, pena
     par_cand = jnp.take_along_axis(cand_par, chosen, axis=1)
     par_idx = jax.vmap(jnp.searchsorted)(chosen, par_cand)
     parents = jnp.where(par_cand >= 0, par_idx, -1).astype(jnp.int32)
-    parents = jnp.where(slots[:, None] >= 0, parents, PAD_PARENT)  # inactive rows: no tree
     tokens = jnp.take_along_axis(cand_tok, chosen, axis=1)
     expanded = jnp.take_along_axis(cand_exp, chosen, axis=1)
-    return tokens, parents, expanded, side.k, side.v, cache
+    s_count = side_k.shape[1]
+    full = lambda fill: jnp.full((s_count, num_nodes), fill, jnp.int32)  # noqa: E731
+    return (_to_slots(tokens, slots, full(0)), _to_slots(parents, slots, full(PAD_PARENT)),
+            _to_slots(expanded, slots, full(-1)), _to_slots(side.k, slots, side_k, axis=1),
+            _to_slots(side.v, slots, side_v, axis=1), cache)  # fmt: skip
 
 
 @functools.partial(

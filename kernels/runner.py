@@ -1,15 +1,25 @@
 """One model's runner: its params as laid out for the XLA path, its KV cache over a
 fixed set of sequence slots, and the prefill into them.
 
-`ModelRunner` owns a model's params, its `KVCache` over a fixed number of
-sequence slots, and `cache_lens[s]`: how many committed tokens of slot s have
-K/V in the cache. The target worker and the model drafter each hold one. It
-also owns the forward's layout (`xla_layout`): every forward it runs, and every
-forward its owner runs on its params, passes `runner.layout` explicitly.
+`ModelRunner` owns a model's params, its KV cache, and `cache_lens[s]`: how many
+committed tokens of slot s have K/V in the cache. The target worker and the
+model drafter each hold one. It also owns the forward's layout (`xla_layout`):
+every forward it runs, and every forward its owner runs on its params, passes
+`runner.layout` explicitly.
+
+The cache is paged (`transformer.PagedKVCache`, `blocks.BlockAllocator`) on the
+XLA path: a slot holds the blocks its positions need (`ensure`), so memory goes
+to the tokens the running requests hold, not to `num_slots x max_len`. The
+megakernel's runner (`stacked`) keeps one contiguous row per slot
+(`transformer.KVCache`): its KV tiles are DMA'd from a slot's row.
+
+Steps run over the live rows only (`row_bucket` of them, the rest padding with
+slot -1), never over every slot: `live_rows`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -18,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec.kernels import transformer, xla_layout
+from specdec.kernels.blocks import BLOCK_SIZE, BlockAllocator
 from specdec.kernels.config import ModelConfig
-from specdec.kernels.transformer import KVCache, Layout, Params
+from specdec.kernels.transformer import KVCache, Layout, PagedKVCache, Params
 
 # A row's planned length (prompt + max_tokens + one tree) counts toward the cache
 # positions a call reads, up to this many: a request then runs one compiled
@@ -43,6 +54,8 @@ class ModelRunner:
         stacked: bool = False,  # keep [L, ...] layer weights (what the megakernel streams)
         fuse: bool = False,  # one product for q|k|v and one for gate|up (`fuse_projections`)
         one_row: bool = False,  # [out, in] copies for one-row steps, where they pay
+        num_blocks: int | None = None,  # paged pool size, null block included; None = all
+        block_size: int = BLOCK_SIZE,
     ):
         self.cfg = cfg
         self.layout: Layout = xla_layout.for_backend(cfg)
@@ -57,14 +70,74 @@ class ModelRunner:
         # rounded up to the 16-row tile so a kernel may DMA any aligned window of it.
         alloc = -(-(max_len + prefill_chunk) // 16) * 16
         cache_dtype = xla_layout.cache_dtype(params["embed"].dtype)
-        self.cache = KVCache.create(cfg, num_slots, alloc, dtype=cache_dtype)
+        self.token_bytes = transformer.token_bytes(cfg, cache_dtype)
+        self.blocks: BlockAllocator | None = None
+        if stacked:
+            self._cache = KVCache.create(cfg, num_slots, alloc, dtype=cache_dtype)
+        else:
+            alloc = -(-alloc // block_size) * block_size
+            if num_blocks is None:  # every slot at full length (`blocks.num_blocks_for`)
+                num_blocks = num_slots * -(-max_len // block_size) + 1
+            self.blocks = BlockAllocator(num_blocks, block_size, num_slots, alloc // block_size)
+            self._cache = PagedKVCache.create(cfg, num_slots, alloc, block_size=block_size,
+                                              num_blocks=num_blocks, dtype=cache_dtype)  # fmt: skip
+        self._table_version = 0
         self.cache_lens = np.zeros(num_slots, np.int32)
         self.reserved = np.zeros(num_slots, np.int32)  # planned lengths (`reserve`)
         self.mesh = None  # the devices it is split over, once `sharding.shard_runner` ran
 
+    @property
+    def cache(self):
+        """The KV cache, its block table brought up to date with the host's."""
+        b = self.blocks
+        if b is not None and b.version != self._table_version:
+            table = jnp.asarray(b.table)
+            if self.mesh is not None:
+                from specdec.kernels import sharding
+
+                table = sharding.replicate(table, self.mesh)
+            self._cache = dataclasses.replace(self._cache, table=table)
+            self._table_version = b.version
+        return self._cache
+
+    @cache.setter
+    def cache(self, value) -> None:
+        self._cache = value
+
+    def ensure(self, slots: Sequence[int], positions: Sequence[int]) -> None:
+        """Slots hold cache blocks for positions [0, positions) (paged caches; a slot
+        cache always holds max_len)."""
+        if self.blocks is not None:
+            for s, n in zip(slots, positions, strict=True):
+                self.blocks.ensure(int(s), min(int(n), self.max_len))
+
+    def slot_kv(self, slot: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Slot `slot`'s K and V at positions [0, length), each f32[L, K, length, hd]
+        (for tests and debugging: a host copy)."""
+        cache = self.cache
+        if self.blocks is None:
+            return tuple(np.asarray(a[:, slot, :, :length], np.float32) for a in (cache.k, cache.v))
+        blocks = self.blocks.table[slot, : self.blocks.blocks_for(length)]
+
+        def read(a):
+            g = np.asarray(a[:, blocks], np.float32)  # [L, nb, K, bs, hd]
+            n_l, nb, k, bs, hd = g.shape
+            return g.transpose(0, 2, 1, 3, 4).reshape(n_l, k, nb * bs, hd)[:, :, :length]
+
+        return read(cache.k), read(cache.v)
+
+    def kv_capacity(self) -> tuple[int, int, int]:
+        """(positions per block, blocks sequences may hold, positions one sequence may
+        hold): a slot cache is one block of max_len per slot."""
+        if self.blocks is None:
+            return self.max_len, self.num_slots, self.max_len
+        return self.blocks.block_size, self.blocks.num_blocks - 1, self.max_len
+
     def release(self, slot: int) -> None:
         self.cache_lens[slot] = 0
         self.reserved[slot] = 0
+        if self.blocks is not None:
+            self.blocks.free(slot)
 
     def reserve(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
         """Rows in `slots` will grow to about `lengths` positions (capped: KV_RESERVE_CAP)."""
@@ -87,6 +160,7 @@ class ModelRunner:
 
     def _prefill_one(self, slot: int, prompt: Sequence[int]) -> np.ndarray:
         n = len(prompt)
+        self.ensure([slot], [n])
         chunk = chunk_len(n, self.prefill_chunk)
         toks = np.zeros((1, -(-n // chunk) * chunk), np.int32)
         toks[0, :n] = prompt
@@ -143,6 +217,22 @@ def _prefill_chunk(params, cache, tokens, starts, n_in, slots, logit_index, *, c
         cfg=cfg, kv_len=kv_len or None, layout=layout,
     )  # fmt: skip
     return logits[:, 0], ks, vs
+
+
+def live_rows(active: np.ndarray, num_slots: int) -> np.ndarray:
+    """The slots a step runs over: the active ones, then -1 (padding) up to
+    `row_bucket` rows. Example: active slots {3, 5} of 256 -> [3, 5]; {0, 1, 7}
+    -> [0, 1, 7, -1]."""
+    live = np.flatnonzero(np.asarray(active, bool)).astype(np.int32)
+    out = np.full(row_bucket(len(live), num_slots), -1, np.int32)
+    out[: len(live)] = live
+    return out
+
+
+def row_bucket(n: int, num_slots: int) -> int:
+    """Rows a step over n live rows runs: a power of two (so a handful of programs
+    covers every batch), at most num_slots, at least 1."""
+    return bucket(max(n, 1), num_slots)
 
 
 def bucket(n: int, cap: int) -> int:

@@ -45,7 +45,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from specdec.kernels.config import ModelConfig
-from specdec.kernels.transformer import KVCache, Params
+from specdec.kernels.transformer import KVCache, PagedKVCache, Params
 
 AXIS = "tp"
 
@@ -135,10 +135,19 @@ def shard_params(cfg: ModelConfig, params: Params, mesh: Mesh) -> Params:
     return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
 
 
-def shard_cache(cfg: ModelConfig, cache: KVCache, mesh: Mesh) -> KVCache:
-    """`cache` placed over `mesh` by `cache_spec`."""
+def shard_cache(cfg: ModelConfig, cache: KVCache | PagedKVCache, mesh: Mesh):
+    """`cache` placed over `mesh` by `cache_spec` (a paged cache's block table on
+    every device)."""
     sharding = NamedSharding(mesh, cache_spec(cfg, mesh.shape[AXIS]))
-    return KVCache(k=jax.device_put(cache.k, sharding), v=jax.device_put(cache.v, sharding))
+    k, v = jax.device_put(cache.k, sharding), jax.device_put(cache.v, sharding)
+    if isinstance(cache, PagedKVCache):
+        return PagedKVCache(k=k, v=v, table=replicate(cache.table, mesh))
+    return KVCache(k=k, v=v)
+
+
+def replicate(x: jax.Array, mesh: Mesh) -> jax.Array:
+    """`x` whole on every device of `mesh`."""
+    return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
 
 
 def shard_runner(runner, mesh: Mesh) -> None:

@@ -85,6 +85,62 @@ class KVCache:
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """Per-layer K/V in fixed-size blocks, a block table mapping each slot's positions
+    to blocks (vLLM's paged layout).
+
+    k: jax.Array  # [L, num_blocks, K, block_size, hd]
+    v: jax.Array  # [L, num_blocks, K, block_size, hd]
+    table: jax.Array  # i32[slots, max_blocks]: position p of slot s lives at block
+                      # table[s, p // block_size], row p % block_size
+
+    Block 0 is the null block: every table entry a slot has not been given points
+    there, so a write past a row's blocks (a padded prefill chunk, a padding row,
+    tree nodes beyond the committed length) lands in it and is never read as
+    valid data (attention masks it). The host owns the table
+    (`runner.BlockAllocator`); a call reads only the blocks under its rows'
+    `kv_len` positions, so a step costs what its rows hold, not what the pool holds.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    table: jax.Array
+
+    @property
+    def num_slots(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.table.shape[1] * self.block_size
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, num_slots: int, max_len: int, *, block_size: int,
+               num_blocks: int, dtype=jnp.float32):  # fmt: skip
+        if max_len % block_size:
+            raise ValueError(
+                f"max_len ({max_len}) must be a multiple of block_size ({block_size})."
+            )
+        shape = (cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+        table = jnp.zeros((num_slots, max_len // block_size), jnp.int32)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), table=table)
+
+
+def token_bytes(cfg: ModelConfig, dtype) -> int:
+    """Cache bytes one token holds over all layers (K and V)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
 # ----------------------------------------------------------------------------- params
 
 
@@ -369,11 +425,13 @@ def _hidden_block(
         cache_mask = cache_mask & (positions[:, :, None] - t[None, None, :] < cfg.sliding_window)
     # Zero the unused slots so NaN (or stale) data there cannot leak through 0 * NaN.
     keep = cache_valid[:, None, :, None]
-    safe_slots = jnp.clip(slots, 0, cache.num_slots - 1)
+    table = cache.table if isinstance(cache, PagedKVCache) else None
+    # A paged read sends padding rows (slot -1) to the null block; a slot cache clips.
+    row_slots = slots if table is not None else jnp.clip(slots, 0, cache.num_slots - 1)
 
     def body(x, layer):
         lp, i, sk, sv = layer  # i: this layer's index into the cache (traced under scan)
-        kc, vc = (jnp.where(keep, _cache_rows(a, i, safe_slots, kv_len, rows_are_slots), 0)
+        kc, vc = (jnp.where(keep, _cache_rows(a, i, row_slots, kv_len, rows_are_slots, table), 0)
                   for a in (cache.k, cache.v))  # fmt: skip
         side_l = None if side is None else (sk, sv, side.at)
         x, k, v = _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, kc, vc, side_l,
@@ -385,7 +443,12 @@ def _hidden_block(
 
 
 def _cache_rows(
-    arr: jax.Array, layer, slots: jax.Array, kv_len: int, rows_are_slots: bool = False
+    arr: jax.Array,
+    layer,
+    slots: jax.Array,
+    kv_len: int,
+    rows_are_slots: bool = False,
+    table: jax.Array | None = None,
 ) -> jax.Array:
     """arr[layer, slots, :, :kv_len] of a cache [L, S, K, T, hd] -> [B, K, kv_len, hd].
 
@@ -398,6 +461,8 @@ def _cache_rows(
     layer, which XLA folds into the attention's reads instead of joining B
     per-row slices in a concatenation loop.
     """
+    if table is not None:
+        return _paged_rows(arr, layer, slots, kv_len, table)
     _, s, k, _, hd = arr.shape
     if rows_are_slots:
         assert slots.shape[0] == s, "rows_are_slots needs one row per slot"
@@ -407,6 +472,47 @@ def _cache_rows(
     rows = [jax.lax.dynamic_slice(arr, (layer, slots[b], 0, 0, 0), (1, 1, k, kv_len, hd))[0, 0]
             for b in range(slots.shape[0])]  # fmt: skip
     return jnp.stack(rows)
+
+
+def _row_tables(table: jax.Array, slots: jax.Array, nb: int) -> jax.Array:
+    """i32[B, nb]: the first nb blocks of each row's slot; padding rows (slot -1)
+    read the null block."""
+    safe = jnp.clip(slots, 0, table.shape[0] - 1)
+    return jnp.where(slots[:, None] >= 0, table[safe, :nb], 0)
+
+
+def _paged_rows(arr, layer, slots, kv_len, table) -> jax.Array:
+    """A paged pool [L, NB, K, bs, hd] read as [B, K, kv_len, hd] (one gather of the
+    rows' first kv_len / bs blocks: whole blocks, so it moves what a contiguous
+    slice would)."""
+    bs = arr.shape[3]
+    nb = -(-kv_len // bs)
+    blocks = _row_tables(table, slots, nb)  # [B, nb]
+    layer_arr = arr[layer] if isinstance(layer, int) else jax.lax.dynamic_index_in_dim(
+        arr, layer, 0, keepdims=False)  # fmt: skip
+    g = layer_arr[blocks]  # [B, nb, K, bs, hd]
+    b, _, k, _, hd = g.shape
+    return g.transpose(0, 2, 1, 3, 4).reshape(b, k, nb * bs, hd)[:, :, :kv_len]
+
+
+def _put_paged(cache: PagedKVCache, k_rows, v_rows, slots, starts) -> PagedKVCache:
+    """`_put_rows` for a paged cache: one scatter of every row's n tokens to
+    (table[slot, pos // bs], pos % bs). Padding rows and positions past a row's
+    blocks write the null block. In place when the cache is donated."""
+    b, _, _, n, _ = k_rows.shape
+    bs = cache.block_size
+    pos = starts[:, None] + jnp.arange(n, dtype=jnp.int32)[None]  # [B, n]
+    mb = cache.table.shape[1]
+    blocks = _row_tables(cache.table, slots, mb)  # [B, MB]
+    idx = jnp.clip(pos // bs, 0, mb - 1)
+    blk = jnp.where(pos // bs < mb, jnp.take_along_axis(blocks, idx, axis=1), 0).reshape(-1)
+    off = (pos % bs).reshape(-1)
+
+    def put(pool, rows):  # rows [B, L, K, n, hd] -> values [B * n, L, K, hd]
+        vals = rows.transpose(0, 3, 1, 2, 4).reshape(b * n, *rows.shape[1:3], rows.shape[4])
+        return pool.at[:, blk, :, off].set(vals.astype(pool.dtype), mode="promise_in_bounds")
+
+    return dataclasses.replace(cache, k=put(cache.k, k_rows), v=put(cache.v, v_rows))
 
 
 def unstack_layers(params: Params) -> Params:
@@ -442,6 +548,8 @@ def _put_rows(cache: KVCache, k_rows, v_rows, slots, starts) -> KVCache:
 
         return put(k, k_rows[b]), put(v, v_rows[b])
 
+    if isinstance(cache, PagedKVCache):
+        return _put_paged(cache, k_rows, v_rows, slots, starts)
     kv = (cache.k, cache.v)
     for b in range(slots.shape[0]):  # unrolled: a while loop would copy the cache (XLA CPU)
         kv = row(b, kv)

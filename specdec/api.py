@@ -23,9 +23,9 @@ from specdec.checkpoint import load_config, load_model
 from specdec.engine import LLMEngine, WorkerLostError
 from specdec.outputs import RequestOutput, SpecDecodeMetrics
 from specdec.params import SamplingParams, SpeculativeConfig, broadcast_params, generation_defaults
-from specdec.plan import Plan, TreeShape, make_plan, resolve_dtype, verify_rows
+from specdec.plan import PLAN_SLOTS, Plan, TreeShape, make_plan, resolve_dtype, verify_rows
 from specdec.tokenizer import Tokenizer
-from specdec.workers import KernelName, TargetWorker, build_drafter
+from specdec.workers import KernelName, TargetWorker, build_drafter, kv_pool, resolve_kernel
 
 if TYPE_CHECKING:
     from specdec.cluster.config import ClusterConfig
@@ -47,7 +47,16 @@ class LLM:
             actor decides on its own host; `LLM.dtype` is then the target's.
         max_model_len: prompt + output tokens per sequence at most; default
             min(max_position_embeddings, 4096).
-        max_num_seqs: sequences decoded together (KV-cache slots).
+        max_num_seqs: sequences decoded together at most (default 256, as in vLLM).
+            A step runs over the running sequences only, so unused slots cost
+            nothing; how many run at once is set by the KV cache's blocks.
+        kv_cache_memory: bytes of KV cache, target and draft together (paged:
+            blocks of 16 positions taken as sequences grow, `kernels.blocks`);
+            default: a share of the free device memory (on a CPU host 10% of the
+            available RAM, on an accelerator 80% of what is free), never more than
+            `max_num_seqs` sequences of `max_model_len` tokens can use. Requests
+            that do not fit wait (continuous batching); a budget below one
+            `max_model_len` sequence is refused.
         speculative_config: a `SpeculativeConfig` or an equivalent dict; None = plain
             autoregressive decoding.
         seed: seeds the per-request seeds of requests that give none.
@@ -79,7 +88,8 @@ class LLM:
         *,
         dtype: DTypeName = "auto",
         max_model_len: int | None = None,
-        max_num_seqs: int = 8,
+        max_num_seqs: int = 256,
+        kv_cache_memory: int | None = None,
         tokenizer: str | os.PathLike | None = None,
         speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
         seed: int = 0,
@@ -93,6 +103,12 @@ class LLM:
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}.")
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}.")
+        if kv_cache_memory is not None and (
+            not isinstance(kv_cache_memory, int) or kv_cache_memory < 1
+        ):
+            raise ValueError(
+                f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory!r}."
+            )
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}."
@@ -134,7 +150,7 @@ class LLM:
         if remote:  # the weights load in the target actor, not here
             self.config, params = load_config(folder), None
         else:
-            rows = verify_rows(speculative_config, max_num_seqs)
+            rows = verify_rows(speculative_config, PLAN_SLOTS)
             self.dtype = resolve_dtype(folder, dtype, rows=rows)
             self.config, params = load_model(folder, dtype=self.dtype)
         if kernel not in ("auto", "megakernel", "xla"):
@@ -162,7 +178,7 @@ class LLM:
             target, drafter = remote_workers(
                 cluster, model=folder, dtype=self.dtype, model_config=self.config,
                 speculative_config=speculative_config, num_slots=max_num_seqs,
-                max_model_len=max_model_len, kernel=kernel,
+                max_model_len=max_model_len, kernel=kernel, kv_cache_memory=kv_cache_memory,
             )  # fmt: skip
             self.cluster = target.cluster
             self.dtype = target.info.get("dtype", self.dtype)
@@ -172,12 +188,20 @@ class LLM:
                 speculative_config.method == "draft_model"
             )  # its trees stay on the device: verified at full width only
             self.plan = make_plan(self.config, dtype=self.dtype, spec=speculative_config,
-                                  num_slots=max_num_seqs, host_trees=not model_drafter)  # fmt: skip
+                                  num_slots=PLAN_SLOTS, host_trees=not model_drafter)  # fmt: skip
+            tree_nodes = self.plan.tree.num_nodes if self.plan.tree is not None else 0
+            draft_cfg = load_config(speculative_config.model) if model_drafter else None
+            max_num_seqs, num_blocks = kv_pool(
+                self.config, draft_cfg, self.dtype, budget=kv_cache_memory,
+                num_slots=max_num_seqs, max_len=max_model_len + tree_nodes + 1,
+                kernel=resolve_kernel(kernel, self.config, tensor_parallel_size),
+            )  # fmt: skip
             drafter = None
             if speculative_config is not None:
                 drafter = build_drafter(
                     speculative_config, plan=self.plan, target_path=folder,
                     target_config=self.config, num_slots=max_num_seqs, max_model_len=max_model_len,
+                    num_blocks=num_blocks,
                 )  # fmt: skip
             mesh = None
             if tensor_parallel_size > 1:
@@ -187,7 +211,7 @@ class LLM:
             target = TargetWorker(
                 self.config, params, num_slots=max_num_seqs, max_model_len=max_model_len,
                 max_tree_nodes=drafter.max_nodes if drafter is not None else 0, kernel=kernel,
-                plan=self.plan, mesh=mesh,
+                plan=self.plan, mesh=mesh, num_blocks=num_blocks,
             )  # fmt: skip
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         self.last_generate_metrics: dict = {}

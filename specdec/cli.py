@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = sub.add_parser("generate", help="generate from one prompt, streamed")
     gen.add_argument("prompt")
-    add_model_arguments(gen, max_num_seqs=1)  # one prompt: idle slots would cost compute
+    add_model_arguments(gen, max_num_seqs=1)  # one prompt: a cache for one sequence will do
     add_sampling_arguments(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON result instead")
     gen.set_defaults(func=cmd_generate)

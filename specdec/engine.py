@@ -2,10 +2,17 @@
 
 Walk-through of one `LLMEngine.step()`:
 
-1. **Admit.** Waiting requests take free slots (FIFO). Their prompts are
-   prefilled into the target's cache in one batch and the first output token is
-   sampled; that token is the sequence's *root* (committed, K/V not yet cached).
-   The drafter, if any, is told about the new sequence (`Drafter.start`).
+1. **Admit.** Waiting requests take free slots (FIFO) while the KV cache has
+   blocks for them (`kv_blocks`: each running sequence counts the blocks its
+   tokens plus one step's growth need); the first that does not fit waits, and
+   so does everyone behind it. Their prompts are prefilled into the target's
+   cache in one batch and the first output token is sampled; that token is the
+   sequence's *root* (committed, K/V not yet cached). The drafter, if any, is
+   told about the new sequence (`Drafter.start`). Before each step, if the
+   running sequences' growth no longer fits, the latest admitted are preempted:
+   their blocks freed, they go back to the front of the queue with their output
+   so far, and on readmission their prompt plus output is prefilled again (the
+   recompute preemption of vLLM) and decoding goes on from their last token.
 2. **Propose.** The drafter grows one token tree per running sequence, padded to
    a fixed node count so nothing re-traces (`Drafter.propose`). Without a drafter
    the tree is empty and the step is plain autoregressive decoding.
@@ -25,7 +32,9 @@ Walk-through of one `LLMEngine.step()`:
    sequences join and leave the batch independently.
 
 Everything that varies per request (sampling parameters, seed, counter) travels
-as flat arrays (`SamplingBatch`); row s of every array is slot s.
+as flat arrays (`SamplingBatch`); row s of every array is slot s. The workers
+run each step over the live slots only (`runner.live_rows`), so a slot count in
+the hundreds costs nothing while those slots are empty.
 
 A worker that is gone for good (a remote target whose restarts are exhausted)
 raises `WorkerLostError`; the step then ends every unfinished request with
@@ -43,7 +52,7 @@ import numpy as np
 
 from specdec.draft.base import DraftBatch, Drafter
 from specdec.draft.model import ModelDrafter
-from specdec.kernels.runner import kv_bucket
+from specdec.kernels.runner import kv_bucket, row_bucket
 from specdec.outputs import (
     CompletionOutput,
     RequestMetrics,
@@ -81,6 +90,8 @@ class Sequence:
     slot: int = -1
     root: int = -1
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    num_preemptions: int = 0
+    number: int = 0  # arrival order in this engine (preemption takes the highest first)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""
@@ -136,6 +147,17 @@ class LLMEngine:
         self.spec_metrics = SpecDecodeMetrics()
         self.last_error: WorkerLostError | None = None  # why requests last ended in "error"
         self._rng = np.random.default_rng(seed)
+        # KV capacity in blocks: the target's, or the draft's if it holds fewer (a
+        # draft holds at most the target's positions, `workers.kv_pool`).
+        self.block_size, self.num_blocks, self.kv_max_len = target.kv_capacity()
+        draft_cap = getattr(drafter, "kv_capacity", lambda: None)()
+        if draft_cap is not None and draft_cap[0] == self.block_size:
+            self.num_blocks = min(self.num_blocks, draft_cap[1])
+        # A step writes the root (the last token, not yet cached) and up to a whole
+        # tree after it; one position more keeps a margin.
+        self.growth = (drafter.max_nodes if drafter is not None else 0) + 1
+        self.num_preemptions = 0
+        self._arrivals = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -164,8 +186,19 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time=arrival_time or time.perf_counter()),
             detok=detok,
         )
+        self._arrivals += 1
+        seq.number = self._arrivals
         self.waiting.append(seq)
         return seq
+
+    def kv_blocks(self, seq: Sequence, extra: int = 0) -> int:
+        """Cache blocks `seq` holds by the end of its next step (with `extra` more tokens)."""
+        n = len(seq.prompt_token_ids) + len(seq.output_ids) + extra + self.growth
+        return -(-min(n, self.kv_max_len) // self.block_size)
+
+    def kv_blocks_used(self) -> int:
+        """Blocks the running sequences hold by the end of the next step."""
+        return sum(self.kv_blocks(s) for s in self.slots if s is not None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots)
@@ -187,7 +220,9 @@ class LLMEngine:
         commit) at every K/V length a step can read (`kv_bucket`), at every tree
         width the target verifies (host trees are cut to `verify_widths`), each with
         and without a repetition penalty (the penalty adds a `seen` operand: another
-        program). Slot 0 is released after each run; nothing is left behind.
+        program), for every row count a step runs (`runner.row_bucket`: 1, 2, 4, ...
+        up to max_num_seqs). The slots used are released after each run; nothing
+        is left behind.
         """
         if self.has_unfinished_requests():
             raise RuntimeError("compile_shapes needs an idle engine (no request running).")
@@ -207,55 +242,71 @@ class LLMEngine:
         kv_lens = sorted({kv_bucket(x, q.max_len) for q in runners for x in range(q.max_len + 1)})
         nodes = drafter.max_nodes if drafter is not None else 0
         widths = target.plan.widths  # full width for a model drafter's device trees
-        total = len(lengths) + len(first) - 1 + len(kv_lens) * len(variants) * len(widths)
+        buckets = sorted({row_bucket(n, s) for n in range(1, s + 1)})
+        steps = len(kv_lens) * len(variants) * len(widths)
+        total = len(lengths) + len(first) - 1 + len(buckets) * (steps + 1)
         bar = tqdm(total=total, desc="compiling", unit="shape", disable=not progress)
         saved, target.widths = target.widths, None  # verify each width as asked
         try:
             for i, n in enumerate(lengths):
                 for v in first if i == 0 else first[:1]:
-                    self._dummy_prefill([1] * n, v)
-                    self._dummy_release()
+                    self._dummy_prefill([[1] * n], v)
+                    self._dummy_release(1)
                     bar.update(1)
-            for k in kv_lens:
-                for v in variants:
-                    for w in widths:
-                        root = self._dummy_prefill([1], v.take(1))
-                        for q in runners:
-                            q.reserved[0] = k  # the step reads k positions (`kv_len`)
-                        active = np.zeros(s, bool)
-                        active[0] = True
-                        roots = np.zeros(s, np.int32)
-                        roots[0] = root
-                        if isinstance(drafter, ModelDrafter):
-                            tree = drafter.propose(active, roots, v)
-                        else:
-                            tree = _dummy_tree(s, nodes, w)
-                        emitted, num, accepted = target.verify(roots, tree, active, v)
-                        if drafter is not None:
-                            drafter.commit(active, accepted, num, emitted)
-                        self._dummy_release()
-                        bar.update(1)
+            for b in buckets:
+                for v in first[:1]:  # the first-token draw of b prompts admitted together
+                    self._dummy_prefill([[1]] * b, v.padded(b))
+                    self._dummy_release(b)
+                    bar.update(1)
+                for k in kv_lens:
+                    for v in variants:
+                        for w in widths:
+                            self._dummy_step(b, k, v, w, nodes, runners)
+                            bar.update(1)
         finally:
             target.widths = saved
             bar.close()
         return total
 
-    def _dummy_prefill(self, prompt: list[int], sampling: SamplingBatch) -> int:
-        root = int(self.target.prefill([0], [prompt], sampling)[0])
+    def _dummy_prefill(self, prompts: list[list[int]], sampling: SamplingBatch) -> np.ndarray:
+        """Prefills `prompts` into slots 0, 1, ...; returns their roots."""
+        slots = list(range(len(prompts)))
+        roots = np.asarray(self.target.prefill(slots, prompts, sampling), np.int32)
         if self.drafter is not None:
-            self.drafter.start([0], [prompt], [root])
-        return root
+            self.drafter.start(slots, prompts, roots.tolist())
+        return roots
 
-    def _dummy_release(self) -> None:
-        self.target.release(0)
-        if self.drafter is not None:
-            self.drafter.release(0)
+    def _dummy_step(self, b: int, kv_len: int, sampling: SamplingBatch, width: int, nodes: int,
+                    runners) -> None:  # fmt: skip
+        """One step (propose, verify, commit) over slots 0 .. b - 1 reading kv_len positions."""
+        s, drafter = self.max_num_seqs, self.drafter
+        roots = np.zeros(s, np.int32)
+        roots[:b] = self._dummy_prefill([[1]] * b, sampling.take(b).padded(b))
+        for q in runners:
+            q.reserved[:b] = kv_len  # the step reads kv_len positions (`kv_len`)
+        active = np.zeros(s, bool)
+        active[:b] = True
+        if isinstance(drafter, ModelDrafter):
+            tree = drafter.propose(active, roots, sampling)
+        else:
+            tree = _dummy_tree(s, nodes, width, b)
+        emitted, num, accepted = self.target.verify(roots, tree, active, sampling)
+        if drafter is not None:
+            drafter.commit(active, accepted, num, emitted)
+        self._dummy_release(b)
+
+    def _dummy_release(self, b: int) -> None:
+        for slot in range(b):
+            self.target.release(slot)
+            if self.drafter is not None:
+                self.drafter.release(slot)
 
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[Sequence]:
         """Admits, decodes one speculative step; returns sequences that changed."""
         try:
+            self._preempt()
             changed = self._admit()
             active = np.array([s is not None and not s.finished for s in self.slots])
             if active.any():
@@ -295,11 +346,35 @@ class LLMEngine:
             seen[i, s.output_ids] = True
         return dataclasses.replace(b, repetition_penalty=pen, seen=seen)
 
+    def _preempt(self) -> None:
+        """Frees the latest admitted sequences while the running ones' next step
+        would need more blocks than the cache has (they wait at the queue's front)."""
+        used = self.kv_blocks_used()
+        while used > self.num_blocks:
+            running = [s for s in self.slots if s is not None and not s.finished]
+            if len(running) < 2:  # one sequence always fits (`blocks.num_blocks_for`)
+                break
+            # The latest arrival goes first, so the oldest requests keep moving.
+            seq = max(running, key=lambda s: s.number)
+            used -= self.kv_blocks(seq)
+            self._release(seq)
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.appendleft(seq)
+            logger.info("preempted %s (KV cache full): it resumes when blocks free up",
+                        seq.request_id)  # fmt: skip
+
     def _admit(self) -> list[Sequence]:
         free = [i for i, s in enumerate(self.slots) if s is None]
         new = []
+        used = self.kv_blocks_used()
         while free and self.waiting:
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
+            need = self.kv_blocks(seq, 0 if seq.output_ids else 1)  # + the prefill's token
+            if used + need > self.num_blocks:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            used += need
             seq.slot = free.pop(0)
             self.slots[seq.slot] = seq
             new.append(seq)
@@ -315,22 +390,28 @@ class LLMEngine:
         for worker in (self.target, self.drafter):
             if worker is not None:
                 worker.reserve([s.slot for s in new], planned)
-        roots = self.target.prefill(
-            [s.slot for s in new], [s.prompt_token_ids for s in new], self._sampling(new)
-        )
+        # A preempted sequence resumes: its prompt and output but the last token go
+        # in again, and the last token is its root (the draw here is not used).
+        prompts = [[*s.prompt_token_ids, *s.output_ids[:-1]] for s in new]
+        roots = self.target.prefill([s.slot for s in new], prompts, self._sampling(new))
         now = time.perf_counter()
+        fresh = []
         for seq, root in zip(new, roots, strict=True):
+            if seq.output_ids:
+                seq.root = seq.output_ids[-1]
+                continue
+            fresh.append(seq)
             seq.metrics.first_token_time = now
             seq.root = int(root)
             self._append(seq, [seq.root])
-        starting = [s for s in new if not s.finished]
+        starting = [(s, p) for s, p in zip(new, prompts, strict=True) if not s.finished]
         if self.drafter is not None and starting:
             self.drafter.start(
-                [s.slot for s in starting],
-                [s.prompt_token_ids for s in starting],
-                [s.root for s in starting],
+                [s.slot for s, _ in starting],
+                [p for _, p in starting],
+                [s.root for s, _ in starting],
             )
-        return new
+        return fresh
 
     def _decode(self, active: np.ndarray) -> list[Sequence]:
         roots = np.array([s.root if s is not None else 0 for s in self.slots], np.int32)
@@ -417,9 +498,9 @@ class LLMEngine:
         return True
 
 
-def _dummy_tree(num_slots: int, max_nodes: int, width: int) -> DraftBatch:
-    """Host trees padded to `max_nodes`: slot 0 holds a chain of `width` nodes."""
+def _dummy_tree(num_slots: int, max_nodes: int, width: int, rows: int = 1) -> DraftBatch:
+    """Host trees padded to `max_nodes`: slots 0 .. rows - 1 hold a chain of `width` nodes."""
     tree = DraftBatch.empty(num_slots, max_nodes)
-    tree.tokens[0, :width] = 1
-    tree.parents[0, :width] = np.arange(width) - 1
+    tree.tokens[:rows, :width] = 1
+    tree.parents[:rows, :width] = np.arange(width) - 1
     return tree

@@ -43,7 +43,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_arguments(
-    p: argparse.ArgumentParser, max_num_seqs: int = 8, compile_at_start: bool = False
+    p: argparse.ArgumentParser, max_num_seqs: int = 256, compile_at_start: bool = False
 ) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=str(DEMO_DIR / "target"), help="target model folder")
@@ -75,7 +75,12 @@ def add_model_arguments(
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument(
         "--max-num-seqs", type=_positive_int, default=max_num_seqs,
-        help=f"sequences decoded together (default {max_num_seqs})",
+        help=f"sequences decoded together at most (default {max_num_seqs})",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-cache-memory", type=_positive_int, default=None, metavar="BYTES",
+        help="bytes of paged KV cache, target and draft together (default: 10%% of the "
+             "available RAM on CPU, 80%% of free device memory on an accelerator)",
     )  # fmt: skip
     g.add_argument(
         "--compile-at-start", action=argparse.BooleanOptionalAction, default=compile_at_start,
@@ -157,6 +162,7 @@ def llm_kwargs(args) -> dict:
         "dtype": args.dtype,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
+        "kv_cache_memory": args.kv_cache_memory,
         "speculative_config": speculative_from_args(args),
         "kernel": args.kernel,
         "compile_at_start": args.compile_at_start,

@@ -78,6 +78,12 @@ def verify_widths(n: int) -> tuple[int, ...]:
     return tuple(sorted(widths))
 
 
+# Choices timed at start (dtype, tree size, verify widths) are made for one running
+# request: the latency case, and what a step over the live rows of a lone request runs
+# whatever max_num_seqs is (steps run over the running rows only, `runner.live_rows`).
+PLAN_SLOTS = 1
+
+
 def verify_rows(spec: SpeculativeConfig | None, max_num_seqs: int) -> int:
     """Rows one decode step verifies: every slot's root plus its tree (for an
     "auto"-sized tree, the smallest candidate)."""
@@ -193,6 +199,6 @@ def describe(plan: Plan) -> str:
 
 
 __all__ = [
-    "AUTO_NGRAM_NODES", "Plan", "TreeShape", "describe", "make_plan", "resolve_dtype",
+    "AUTO_NGRAM_NODES", "PLAN_SLOTS", "Plan", "TreeShape", "describe", "make_plan", "resolve_dtype",
     "tree_shape", "verify_costs", "verify_rows", "verify_widths",
 ]  # fmt: skip

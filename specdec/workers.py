@@ -32,7 +32,7 @@ from specdec.draft.ngram import NgramDrafter
 from specdec.kernels import dot_library, sharding, transformer
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.megakernel.reference import decide, tree_block
-from specdec.kernels.runner import ModelRunner
+from specdec.kernels.runner import ModelRunner, live_rows, row_bucket
 from specdec.kernels.transformer import KVCache, Layout, Params
 from specdec.params import SpeculativeConfig
 from specdec.plan import Plan, make_plan, verify_widths
@@ -51,7 +51,7 @@ def _verify_step(
     tokens: jax.Array,  # i32[B, N]
     parents: jax.Array,  # i32[B, N], < -1 = padding
     draft_probs: jax.Array | None,  # f32[B, N+1, V] q per node; None for top-k / n-gram trees
-    slots: jax.Array,  # i32[B]: row s is slot s of the cache, or -1 (inactive)
+    slots: jax.Array,  # i32[B]: the cache slot of each row, or -1 (padding)
     cache_lens: jax.Array,  # i32[B]
     sampling: SamplingBatch,
     *,
@@ -74,7 +74,7 @@ def _verify_step(
     block, positions, mask = tree_block(roots, tokens, parents, cache_lens)
     logits, ks, vs = transformer.block_logits_kv(
         params, cache, block, positions, mask, slots, cache_lens, cfg=cfg, kv_len=kv_len,
-        rows_are_slots=True, layout=layout,
+        layout=layout,
     )  # fmt: skip
     verdict = decide(
         logits, block, mask, tokens, parents, draft_probs, sampling, sampling.uniforms(n + 1),
@@ -212,6 +212,38 @@ def truncate(tree: DraftBatch, width: int) -> DraftBatch:
 KernelName = Literal["auto", "megakernel", "xla"]
 
 
+def kv_pool(
+    cfg: ModelConfig, draft_cfg: ModelConfig | None, dtype: str, *, budget: int | None,
+    num_slots: int, max_len: int, kernel: str,
+) -> tuple[int, int | None]:  # fmt: skip
+    """(slots, blocks per paged cache) for KV caches of `budget` bytes in all (None =
+    `blocks.default_budget`): the target's and the draft's paged caches get as many
+    blocks each (a draft never holds more positions than the target), so a block
+    costs both models' bytes per position.
+
+    The megakernel's cache is one contiguous row of `max_len` per slot: there the
+    budget bounds the slots instead (at least one), and the blocks are None.
+    """
+    from specdec.kernels import blocks, xla_layout
+
+    cdtype = xla_layout.cache_dtype(jnp.dtype(dtype))
+    per_token = transformer.token_bytes(cfg, cdtype)
+    if draft_cfg is not None:
+        per_token += transformer.token_bytes(draft_cfg, cdtype)
+    if budget is None:
+        budget = blocks.default_budget()
+    if kernel == "megakernel":
+        if budget is None:
+            return num_slots, None
+        fit = max(1, budget // (per_token * max_len))
+        if fit < num_slots:
+            logger.info("KV budget holds %d megakernel slots of %d positions (max_num_seqs=%d)",
+                        fit, max_len, num_slots)  # fmt: skip
+        return min(num_slots, fit), None
+    n = blocks.num_blocks_for(budget, per_token, num_slots=num_slots, max_len=max_len)
+    return num_slots, n
+
+
 def resolve_kernel(kernel: str, cfg: ModelConfig, num_devices: int = 1) -> str:
     """The verify backend `kernel` names: "auto" = the megakernel on TPU (over the
     target's devices, `megakernel.shard`), XLA elsewhere.
@@ -238,16 +270,18 @@ def resolve_kernel(kernel: str, cfg: ModelConfig, num_devices: int = 1) -> str:
 
 def _verify_xla(r: ModelRunner, roots, tree: DraftBatch, slots, active, sampling,
                 library: str = "default"):  # fmt: skip
-    """Jitted tree forward + acceptance, then one donated write of the kept K/V."""
+    """Jitted tree forward + acceptance, then one donated write of the kept K/V.
+
+    Rows are the step's live rows (`runner.live_rows`): row b is slot slots[b]."""
     n = tree.tokens.shape[1]
+    cache_lens = r.cache_lens[np.maximum(slots, 0)]  # a copy: jax never sees a buffer we mutate
     emitted, num, accepted, ks, vs = VERIFY_STEPS[library](
         r.params, r.cache, roots, tree.tokens, tree.parents, tree.draft_probs, slots,
-        r.cache_lens.copy(),  # never hand jax a buffer we mutate later
-        sampling, cfg=r.cfg, child_sampling=tree.child_sampling,
+        cache_lens, sampling, cfg=r.cfg, child_sampling=tree.child_sampling,
         kv_len=r.kv_len(active, int(r.cache_lens[active].max(initial=0)) + 2 + n),
         layout=r.layout.for_library(library),
     )  # fmt: skip
-    r.cache = commit_path(r.cache, ks, vs, slots, r.cache_lens.copy(), accepted)
+    r.cache = commit_path(r.cache, ks, vs, slots, cache_lens, accepted)
     return emitted, num, accepted
 
 
@@ -259,7 +293,7 @@ def _verify_megakernel(r: ModelRunner, roots, tree: DraftBatch, slots, active, s
     from specdec.kernels import megakernel
 
     n = tree.tokens.shape[1]
-    cache_lens = r.cache_lens.copy()
+    cache_lens = r.cache_lens[np.maximum(slots, 0)]
     res = megakernel.verify(
         r.params, r.cache, roots, tree.tokens, tree.parents, tree.draft_probs, slots,
         cache_lens, sampling, sampling.uniforms(n + 1), cfg=r.cfg,
@@ -292,6 +326,7 @@ class TargetWorker:
         kernel: KernelName = "auto",
         plan: Plan | None = None,  # None = made here (`plan.make_plan`)
         mesh: Mesh | None = None,  # shard the target over it (tensor parallel); None = one
+        num_blocks: int | None = None,  # paged KV pool (`blocks.num_blocks_for`); None = all
     ):
         self.cfg = cfg
         self.max_tree_nodes = max_tree_nodes
@@ -317,7 +352,9 @@ class TargetWorker:
             max_len=max_model_len + max_tree_nodes + 1,
             prefill_chunk=prefill_chunk,
             stacked=self.kernel == "megakernel",  # the kernel streams [L, ...] weights
-            one_row=num_slots == 1,  # then every plain decode step is one row
+            # A lone request's plain decode step is one row, whatever the slot count.
+            one_row=True,
+            num_blocks=num_blocks,
         )
         if n > 1:
             sharding.shard_runner(self.runner, mesh)  # GSPMD partitions every other step
@@ -333,15 +370,21 @@ class TargetWorker:
         """Rows will grow to about `lengths` tokens: verify reads that many positions."""
         self.runner.reserve(slots, lengths)
 
+    def kv_capacity(self) -> tuple[int, int, int]:
+        """(positions per KV block, blocks for sequences, positions per sequence):
+        what the engine admits by (`ModelRunner.kv_capacity`)."""
+        return self.runner.kv_capacity()
+
     def prefill(self, slots, prompts, sampling: SamplingBatch) -> np.ndarray:
         """Prefills prompts into slots; returns each row's first output token (root).
 
-        The first tokens are drawn for `num_slots` rows (the prompts', then greedy
-        padding rows), so one compiled draw serves any number of new prompts."""
-        b, s = len(prompts), self.runner.num_slots
+        The first tokens are drawn for `row_bucket` rows (the prompts', then greedy
+        padding rows), so a handful of compiled draws serves any number of prompts."""
+        b = len(prompts)
+        rows = row_bucket(b, max(b, self.runner.num_slots))
         logits = self.runner.prefill(slots, prompts)
-        logits = np.concatenate([logits, np.zeros((s - b, logits.shape[1]), logits.dtype)])
-        return np.asarray(sample_first(logits, sampling.padded(s)))[:b]
+        logits = np.concatenate([logits, np.zeros((rows - b, logits.shape[1]), logits.dtype)])
+        return np.asarray(sample_first(logits, sampling.padded(rows)))[:b]
 
     def verify(
         self,
@@ -350,25 +393,45 @@ class TargetWorker:
         active: np.ndarray,  # bool[S]
         sampling: SamplingBatch,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One verify + commit over all slots (row s = slot s).
+        """One verify + commit over the active slots (arrays are per slot, row s =
+        slot s; the step itself runs over the live rows only, `live_rows`).
 
         Returns emitted i32[S, N+1] (accepted tokens, bonus, then -1),
-        num_accepted i32[S] and accepted_nodes i32[S, N] (-1 padded).
+        num_accepted i32[S] and accepted_nodes i32[S, N] (-1 padded); inactive
+        slots get emitted -1, num_accepted 0.
         """
         r = self.runner
+        active = np.asarray(active, bool)
         full = tree.tokens.shape[1]
         tree = narrowest(tree, active)
         host = self.widths is not None and on_host(tree)
         if host and tree.tokens.shape[1] > 0:
             tree = truncate(tree, self.widths.choose(tree.parents, active))
-        slots = np.where(active, np.arange(r.num_slots, dtype=np.int32), -1).astype(np.int32)
-        library = self.plan.library(r.num_slots * (tree.tokens.shape[1] + 1))
-        emitted, num, accepted = self._verify(r, roots, tree, slots, active, sampling, library)
-        emitted, num, accepted = np.asarray(emitted), np.asarray(num), np.asarray(accepted)
+        n = tree.tokens.shape[1]
+        slots = live_rows(active, r.num_slots)
+        live = slots[slots >= 0]
+        # The root and path land at cache_lens .. cache_lens + 1 + n.
+        r.ensure(live, r.cache_lens[live] + n + 1)
+        take = np.maximum(slots, 0)  # padding rows repeat slot 0's inputs; their output is dropped
+        roots_r = np.asarray(roots)[take]
+        sampling_r = sampling.rows(take)
+        tree_r = tree.rows(take)
+        library = self.plan.library(len(slots) * (n + 1))
+        emitted_r, num_r, accepted_r = self._verify(
+            r, roots_r, tree_r, slots, active, sampling_r, library
+        )
+        s_count = r.num_slots
+        emitted = np.full((s_count, n + 1), -1, np.int32)
+        num = np.zeros(s_count, np.int32)
+        accepted = np.full((s_count, n), -1, np.int32)
+        k = len(live)
+        emitted[live] = np.asarray(emitted_r)[:k]
+        num[live] = np.asarray(num_r)[:k]
+        accepted[live] = np.asarray(accepted_r)[:k]
         r.cache_lens[active] += 1 + num[active]
         if host:
             self.widths.observe(int((tree.parents[active] >= -1).sum()), int(num[active].sum()))
-        if (pad := full - tree.tokens.shape[1]) > 0:  # callers get the width they sent
+        if (pad := full - n) > 0:  # callers get the width they sent
             emitted = np.pad(emitted, ((0, 0), (0, pad)), constant_values=-1)
             accepted = np.pad(accepted, ((0, 0), (0, pad)), constant_values=-1)
         return emitted, num, accepted
@@ -415,7 +478,7 @@ def _vocab_limit(target_path, target_cfg: ModelConfig, draft_path, draft_cfg) ->
 
 
 def _model_drafter(spec: SpeculativeConfig, *, target_path, target_config, num_slots,
-                   max_model_len, plan: Plan):  # fmt: skip
+                   max_model_len, plan: Plan, num_blocks: int | None = None):  # fmt: skip
     draft_path = Path(spec.model)
     if not draft_path.exists():
         raise ValueError(f"Draft model path {spec.model!r} does not exist.")
@@ -424,12 +487,12 @@ def _model_drafter(spec: SpeculativeConfig, *, target_path, target_config, num_s
     tree = plan.tree
     return ModelDrafter(
         cfg, params, num_slots=num_slots, max_model_len=max_model_len, num_nodes=tree.num_nodes,
-        max_depth=tree.max_depth, topk=tree.topk, vocab_limit=limit,
+        max_depth=tree.max_depth, topk=tree.topk, vocab_limit=limit, num_blocks=num_blocks,
     )  # fmt: skip
 
 
 def _ngram_drafter(spec: SpeculativeConfig, *, target_path, target_config, num_slots,
-                   max_model_len, plan: Plan):  # fmt: skip
+                   max_model_len, plan: Plan, num_blocks: int | None = None):  # fmt: skip
     tree = plan.tree
     return NgramDrafter(
         num_slots=num_slots, num_nodes=tree.num_nodes, max_depth=tree.max_depth,

@@ -11,6 +11,9 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # Tests never read or write the user's ~/.cache/specdec (tree plans, XLA programs):
 # one fresh folder per session, so no run depends on what an earlier one left there.
 os.environ.setdefault("SPECDEC_CACHE", tempfile.mkdtemp(prefix="specdec-test-cache-"))
+# Each LLM's KV caches take at most this many bytes (the default, a share of the free
+# RAM, would let a few engines alive at once in one test process crowd the machine).
+os.environ.setdefault("SPECDEC_KV_CACHE_MEMORY", str(256 << 20))
 
 # `python -m pytest` puts the repository root on sys.path, where the top-level
 # source folders (kernels/, draft/, ...) would import as bare packages. They are

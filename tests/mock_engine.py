@@ -28,14 +28,18 @@ def next_token(t: int, vocab: int) -> int:
 class MockTarget:
     """The engine's view of a `TargetWorker`, computed by `next_token`."""
 
-    def __init__(self, vocab: int, num_slots: int):
+    def __init__(self, vocab: int, num_slots: int, capacity=(16, 1 << 20, 1 << 20)):
         self.vocab, self.num_slots = vocab, num_slots
+        self.capacity = capacity  # (block size, blocks, positions per sequence)
         self.cache_lens = np.zeros(num_slots, np.int32)
         self.prefills: list[list[int]] = []  # slots of each prefill call
         self.released: list[int] = []
 
     def reserve(self, slots, lengths) -> None:
         pass
+
+    def kv_capacity(self) -> tuple[int, int, int]:
+        return self.capacity
 
     def prefill(self, slots, prompts, sampling) -> np.ndarray:
         self.prefills.append(list(slots))

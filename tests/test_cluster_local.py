@@ -213,7 +213,8 @@ def test_remote_workers_hold_the_engines_reservations(models, spec, prompts):
 
 def test_auto_dtype_is_decided_in_each_actor(models, spec, monkeypatch):
     """dtype="auto" travels to the actors: each times its products on its own host, for
-    the rows a step verifies, and the target reports what it chose."""
+    the rows a lone request's step verifies (`plan.PLAN_SLOTS`), and the target reports
+    what it chose."""
     import jax.numpy as jnp
 
     import specdec.plan as plan
@@ -231,8 +232,8 @@ def test_auto_dtype_is_decided_in_each_actor(models, spec, monkeypatch):
     n = dw.drafter.max_nodes
     tw = TargetActor(str(models[0]), dtype="auto", num_slots=2, max_model_len=MAX_LEN,
                       max_tree_nodes=n)  # fmt: skip
-    rows = plan.verify_rows(SpeculativeConfig.from_dict(spec), 2)
-    assert asked == [(str(models[0]), rows), (str(models[0]), 2 * (1 + n))]
+    rows = plan.verify_rows(SpeculativeConfig.from_dict(spec), plan.PLAN_SLOTS)
+    assert asked == [(str(models[0]), rows), (str(models[0]), plan.PLAN_SLOTS * (1 + n))]
     assert m.unpack(tw.hello(), "hello")["dtype"] == "bfloat16"
     assert tw.worker.runner.params["embed"].dtype == jnp.bfloat16
     assert dw.drafter.runner.params["embed"].dtype == jnp.bfloat16

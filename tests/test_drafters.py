@@ -279,11 +279,8 @@ def test_draft_cache_after_steps_equals_a_fresh_prefill(tmp_path):
             c = int(drafter.runner.cache_lens[seq.slot])
             tokens = [*seq.prompt_token_ids, *seq.output_ids][:c]
             fresh.prefill([0], [tokens])
-            for got, want in ((drafter.runner.cache.k, fresh.cache.k),
-                              (drafter.runner.cache.v, fresh.cache.v)):  # fmt: skip
-                np.testing.assert_allclose(
-                    np.asarray(got[:, seq.slot, :, :c]), np.asarray(want[:, 0, :, :c]),
-                    rtol=1e-4, atol=1e-4,
-                )  # fmt: skip
+            for got, want in zip(drafter.runner.slot_kv(seq.slot, c), fresh.slot_kv(0, c),
+                                 strict=True):  # fmt: skip
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     rates = llm.get_metrics()["per_position_acceptance_rate"]
     assert 0 < rates[-1] and rates[0] < 1  # some steps accepted deep, some rejected early

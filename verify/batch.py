@@ -52,6 +52,10 @@ class SamplingBatch:
         """The first n rows."""
         return jax.tree.map(lambda a: a[:n], self)
 
+    def rows(self, idx: np.ndarray) -> SamplingBatch:
+        """Rows `idx` (slot ids), in that order."""
+        return jax.tree.map(lambda a: a[idx], self)
+
     def padded(self, rows: int) -> SamplingBatch:
         """These rows, then greedy seed-0 rows (`make_dummy`) up to `rows` rows."""
         b = self.temperature.shape[0]
