@@ -264,7 +264,7 @@ class DraftActor(_Host):
         num_blocks = None
         if spec.method == "draft_model":  # this group's own KV budget, for the draft only
             _, num_blocks = workers.kv_pool(
-                load_config(spec.model), None, dtype, budget=kv_cache_memory,
+                workers.draft_config(spec), None, dtype, budget=kv_cache_memory,
                 num_slots=num_slots, max_len=max_model_len + tree.num_nodes + 1, kernel="xla",
             )  # fmt: skip
         self.drafter = workers.build_drafter(

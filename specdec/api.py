@@ -25,7 +25,14 @@ from specdec.outputs import RequestOutput, SpecDecodeMetrics
 from specdec.params import SamplingParams, SpeculativeConfig, broadcast_params, generation_defaults
 from specdec.plan import PLAN_SLOTS, Plan, TreeShape, make_plan, resolve_dtype, verify_rows
 from specdec.tokenizer import Tokenizer
-from specdec.workers import KernelName, TargetWorker, build_drafter, kv_pool, resolve_kernel
+from specdec.workers import (
+    KernelName,
+    TargetWorker,
+    build_drafter,
+    draft_config,
+    kv_pool,
+    resolve_kernel,
+)
 
 if TYPE_CHECKING:
     from specdec.cluster.config import ClusterConfig
@@ -190,7 +197,7 @@ class LLM:
             self.plan = make_plan(self.config, dtype=self.dtype, spec=speculative_config,
                                   num_slots=PLAN_SLOTS, host_trees=not model_drafter)  # fmt: skip
             tree_nodes = self.plan.tree.num_nodes if self.plan.tree is not None else 0
-            draft_cfg = load_config(speculative_config.model) if model_drafter else None
+            draft_cfg = draft_config(speculative_config) if model_drafter else None
             max_num_seqs, num_blocks = kv_pool(
                 self.config, draft_cfg, self.dtype, budget=kv_cache_memory,
                 num_slots=max_num_seqs, max_len=max_model_len + tree_nodes + 1,

@@ -56,8 +56,11 @@ class Plan:
     tree_note: str = ""  # how an "auto" tree was sized, for the log
 
     def library(self, rows: int) -> str:
-        """The dot library a verify over `rows` query rows is compiled for."""
-        return dict(self.libraries).get(rows, "default")
+        """The dot library a verify over `rows` query rows is compiled for: the one
+        timed faster at the largest timed row count up to `rows` (plans time a lone
+        request's rows; a batch's step runs more), else the default."""
+        timed = [(r, lib) for r, lib in self.libraries if r <= rows]
+        return max(timed)[1] if timed else "default"
 
     def width_cost(self, width: int) -> float:
         """A verify of trees `width` nodes wide relative to a plain decode step (1 for

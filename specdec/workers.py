@@ -477,11 +477,19 @@ def _vocab_limit(target_path, target_cfg: ModelConfig, draft_path, draft_cfg) ->
     return vt
 
 
+def draft_config(spec: SpeculativeConfig) -> ModelConfig:
+    """The draft model's config (ValueError naming the path when there is none)."""
+    from specdec.checkpoint import load_config
+
+    if not Path(spec.model).exists():
+        raise ValueError(f"Draft model path {spec.model!r} does not exist.")
+    return load_config(spec.model)
+
+
 def _model_drafter(spec: SpeculativeConfig, *, target_path, target_config, num_slots,
                    max_model_len, plan: Plan, num_blocks: int | None = None):  # fmt: skip
+    draft_config(spec)  # the path checked first, with its own message
     draft_path = Path(spec.model)
-    if not draft_path.exists():
-        raise ValueError(f"Draft model path {spec.model!r} does not exist.")
     cfg, params = load_model(draft_path, dtype=plan.dtype)
     limit = _vocab_limit(target_path, target_config, draft_path, cfg)
     tree = plan.tree

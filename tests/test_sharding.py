@@ -76,7 +76,7 @@ CHILD = textwrap.dedent(
     prompts = [{{"prompt_token_ids": rng.integers(0, 300, n).tolist()}}
                for n in rng.integers(1, 30, 12)]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    # cache cut by K/V heads; one K/V head (replicated); one slot (decode copies, cut too)
+    # cache cut by K/V heads; one K/V head (replicated); one slot
     for kv, seqs in ((4, 4), (1, 4), (4, 1)):
         d = Path({tmp!r}) / f"kv{{kv}}_{{seqs}}"
         v = write_tokenizer(d)
@@ -85,7 +85,7 @@ CHILD = textwrap.dedent(
         some = prompts[: 4 * seqs]  # one slot runs them one by one: fewer
         ref = [o.outputs[0].token_ids for o in llm.generate(some, greedy, use_tqdm=False)]
         runner = llm.engine.target.runner
-        assert ("one_row" in runner.params) == (seqs == 1)
+        assert "one_row" in runner.params  # float32: decode copies whatever the slot count
         sharding.shard_runner(runner, sharding.make_mesh())
         out = [o.outputs[0].token_ids for o in llm.generate(some, greedy, use_tqdm=False)]
         assert out == ref, (kv, seqs)
