@@ -514,6 +514,11 @@ def enable_compilation_cache() -> None:
     cache = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")) / "xla"
     try:
         cache.mkdir(parents=True, exist_ok=True)
+        if jax.config.jax_compilation_cache_dir not in (None, str(cache)):
+            # jax keeps using the folder it first opened unless told to reopen.
+            from jax.experimental.compilation_cache import compilation_cache
+
+            compilation_cache.reset_cache()
         jax.config.update("jax_compilation_cache_dir", str(cache))
         # Every program, however quick to compile: the quick ones add up.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -48,6 +48,7 @@ import logging
 import time
 from collections import deque
 
+import jax
 import numpy as np
 
 from specdec.draft.base import DraftBatch, Drafter
@@ -223,6 +224,13 @@ class LLMEngine:
         program), for every row count a step runs (`runner.row_bucket`: 1, 2, 4, ...
         up to max_num_seqs). The slots used are released after each run; nothing
         is left behind.
+
+        With the persistent compilation cache on (`LLM(compile_at_start=True)`
+        turns it on), each row count's programs are dropped from memory once
+        compiled: every compiled XLA CPU program maps its code pages, and the
+        whole grid in one process would pass the kernel's limit on mappings
+        (vm.max_map_count, 65530) and crash. A shape's first use then loads
+        its program from the cache (a trace and a load, no compile).
         """
         if self.has_unfinished_requests():
             raise RuntimeError("compile_shapes needs an idle engine (no request running).")
@@ -253,7 +261,9 @@ class LLMEngine:
                     self._dummy_prefill([[1] * n], v)
                     self._dummy_release(1)
                     bar.update(1)
-            for b in buckets:
+            for i, b in enumerate(buckets):
+                if i and jax.config.jax_compilation_cache_dir:
+                    jax.clear_caches()  # they are on disk; see the docstring
                 for v in first[:1]:  # the first-token draw of b prompts admitted together
                     self._dummy_prefill([[1]] * b, v.padded(b))
                     self._dummy_release(b)

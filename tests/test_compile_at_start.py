@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 from fixtures import tiny_pair
+from jax import monitoring
 
 from specdec import LLM, SamplingParams
 
@@ -15,26 +16,46 @@ MAX_LEN = 160
 
 
 class Compiles(logging.Handler):
-    """Counts XLA compilations (jax logs each one under `jax_log_compiles`)."""
+    """Counts XLA compilations: programs jax compiled because the persistent cache
+    (on under compile_at_start) did not hold them. A program loaded from it is not
+    a compile (`LLMEngine.compile_shapes` drops compiled programs from memory)."""
 
     def __init__(self):
         super().__init__()
         self.names: list[str] = []
+        self.on = False
+        self._last = ""
 
-    def emit(self, record):
+    def emit(self, record):  # jax logs each program's name under `jax_log_compiles`
         msg = record.getMessage()
         if msg.startswith("Finished XLA compilation of"):
-            self.names.append(msg.split(" in ")[0].removeprefix("Finished XLA compilation of "))
+            self._last = msg.split(" in ")[0].removeprefix("Finished XLA compilation of ")
+            if self._misses:
+                self.names.append(self._last)
+                self._misses = 0
+
+    _misses = 0
+
+    def event(self, name, **kw):
+        if self.on and name == "/jax/compilation_cache/cache_misses":
+            self._misses += 1
+
+
+_HANDLER = Compiles()
+monitoring.register_event_listener(_HANDLER.event)  # listeners cannot be removed: one, reused
 
 
 @pytest.fixture
 def compiles():
-    handler, log = Compiles(), logging.getLogger("jax")
+    handler, log = _HANDLER, logging.getLogger("jax")
+    handler.names.clear()
+    handler.on = True
     log.addHandler(handler)
     jax.config.update("jax_log_compiles", True)
     try:
         yield handler
     finally:
+        handler.on = False
         jax.config.update("jax_log_compiles", False)
         log.removeHandler(handler)
 
@@ -48,6 +69,7 @@ def pair(tmp_path_factory):
 @pytest.mark.parametrize("method", ["draft_model", "ngram", "none"])
 def test_no_compile_after_start_up(pair, method, compiles, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # a fresh persistent cache
+    jax.clear_caches()  # programs an earlier test left in memory would never reach it
     spec = None if method == "none" else {"method": method, "num_speculative_tokens": 6,
                                            "max_depth": 3, "topk": 2}  # fmt: skip
     if method == "draft_model":
