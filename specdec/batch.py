@@ -382,7 +382,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`specdec batch` flags: model and sampling flags as `specdec generate`, plus I/O."""
     parser.add_argument("--input", required=True, type=Path, help="prompts, one JSON per line")
     parser.add_argument("--output", required=True, type=Path, help="results JSONL (appended)")
-    add_model_arguments(parser, compile_at_start=True)  # a file of prompts: no stall per new shape
+    # Compiles on first use: with up to 256 rows a step, the whole grid of shapes
+    # (`LLMEngine.compile_shapes`) costs far more start-up than the shapes a file meets.
+    add_model_arguments(parser)
     add_sampling_arguments(parser)
     g = parser.add_argument_group("batch")
     g.add_argument("--ray", action="store_true", help="run on Ray Data (actor pool of engines)")
