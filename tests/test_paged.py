@@ -151,6 +151,7 @@ def pair(tmp_path_factory):
     return target, noisy_copy(target, root / "d", noise=0.3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["none", "draft_model"])
 def test_a_tight_budget_gives_the_same_tokens(pair, method):
     """Greedy outputs with a cache that holds about two requests (so others wait and
