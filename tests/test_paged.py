@@ -20,7 +20,10 @@ CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layer
                   num_heads=4, num_kv_heads=2, head_dim=16)  # fmt: skip
 
 
-@pytest.mark.parametrize("block_size", [4, *(pytest.param(b, marks=pytest.mark.slow) for b in (8, 32))])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("block_size", [4, pytest.param(8, marks=SLOW), pytest.param(32, marks=SLOW)])
 def test_paged_forward_equals_the_slot_cache(block_size):
     """Prefill, decode and a tree block over rows in shuffled slot order, with a
     padding row, on a shuffled block table: logits equal the contiguous cache's."""
