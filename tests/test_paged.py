@@ -23,7 +23,9 @@ CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layer
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("block_size", [4, pytest.param(8, marks=SLOW), pytest.param(32, marks=SLOW)])
+@pytest.mark.parametrize(
+    "block_size", [4, pytest.param(8, marks=SLOW), pytest.param(32, marks=SLOW)]
+)
 def test_paged_forward_equals_the_slot_cache(block_size):
     """Prefill, decode and a tree block over rows in shuffled slot order, with a
     padding row, on a shuffled block table: logits equal the contiguous cache's."""
