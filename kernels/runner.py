@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec.kernels import transformer, xla_layout
-from specdec.kernels.blocks import BLOCK_SIZE, BlockAllocator
+from specdec.kernels.blocks import BLOCK_SIZE, BlockAllocator, num_blocks_for
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.transformer import KVCache, Layout, PagedKVCache, Params
 
@@ -76,8 +76,9 @@ class ModelRunner:
             self._cache = KVCache.create(cfg, num_slots, alloc, dtype=cache_dtype)
         else:
             alloc = -(-alloc // block_size) * block_size
-            if num_blocks is None:  # every slot at full length (`blocks.num_blocks_for`)
-                num_blocks = num_slots * -(-max_len // block_size) + 1
+            if num_blocks is None:  # every slot at full length
+                num_blocks = num_blocks_for(None, self.token_bytes, num_slots=num_slots,
+                                            max_len=max_len, block_size=block_size)  # fmt: skip
             self.blocks = BlockAllocator(num_blocks, block_size, num_slots, alloc // block_size)
             self._cache = PagedKVCache.create(cfg, num_slots, alloc, block_size=block_size,
                                               num_blocks=num_blocks, dtype=cache_dtype)  # fmt: skip

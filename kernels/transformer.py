@@ -389,13 +389,12 @@ def lm_head(cfg: ModelConfig, params: Params, x: jax.Array, layout: Layout = REF
 
 def _hidden_block(
     cfg, params, tokens, positions, block_mask, cache, slots, cache_lens, cache_mask=None,
-    kv_len=None, side=None, rows_are_slots=False, layout: Layout = REFERENCE,
+    kv_len=None, side=None, layout: Layout = REFERENCE,
 ):  # fmt: skip
     """Runs all layers; returns final residual f32[B, N, D] and new K/V [L, B, N, K, hd].
 
     Only the first `kv_len` cache positions are read (default: all of them).
     `side` (see `block_logits_kv`) replaces the block's own keys by a side buffer.
-    `rows_are_slots`: see `_cache_rows`.
     """
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][tokens].astype(jnp.float32)
@@ -431,7 +430,7 @@ def _hidden_block(
 
     def body(x, layer):
         lp, i, sk, sv = layer  # i: this layer's index into the cache (traced under scan)
-        kc, vc = (jnp.where(keep, _cache_rows(a, i, row_slots, kv_len, rows_are_slots, table), 0)
+        kc, vc = (jnp.where(keep, _cache_rows(a, i, row_slots, kv_len, table), 0)
                   for a in (cache.k, cache.v))  # fmt: skip
         side_l = None if side is None else (sk, sv, side.at)
         x, k, v = _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, kc, vc, side_l,
@@ -447,28 +446,18 @@ def _cache_rows(
     layer,
     slots: jax.Array,
     kv_len: int,
-    rows_are_slots: bool = False,
     table: jax.Array | None = None,
 ) -> jax.Array:
     """arr[layer, slots, :, :kv_len] of a cache [L, S, K, T, hd] -> [B, K, kv_len, hd].
 
     One contiguous slice per row, straight from the cache: slicing `[..., :kv_len]`
     first and then picking rows with an index-array gather (an element-wise loop
-    on XLA CPU) would copy the cache twice.
-
-    `rows_are_slots` (static): the caller's row b is slot b, or an inactive row
-    (slot -1) whose output is discarded, and B == S: one static slice of the
-    layer, which XLA folds into the attention's reads instead of joining B
-    per-row slices in a concatenation loop.
+    on XLA CPU) would copy the cache twice. With a paged cache's `table`, the
+    rows' blocks are gathered instead (`_paged_rows`).
     """
     if table is not None:
         return _paged_rows(arr, layer, slots, kv_len, table)
-    _, s, k, _, hd = arr.shape
-    if rows_are_slots:
-        assert slots.shape[0] == s, "rows_are_slots needs one row per slot"
-        if isinstance(layer, int):
-            return arr[layer, :, :, :kv_len]
-        return jax.lax.dynamic_index_in_dim(arr, layer, 0, keepdims=False)[:, :, :kv_len]
+    _, _, k, _, hd = arr.shape
     rows = [jax.lax.dynamic_slice(arr, (layer, slots[b], 0, 0, 0), (1, 1, k, kv_len, hd))[0, 0]
             for b in range(slots.shape[0])]  # fmt: skip
     return jnp.stack(rows)
@@ -637,7 +626,6 @@ def block_logits_kv(
     cfg: ModelConfig,
     kv_len: int | None = None,
     side: SideKV | None = None,
-    rows_are_slots: bool = False,
     layout: Layout = REFERENCE,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`forward_block` without the cache write: (logits, k, v), K/V [L, B, N, K, hd].
@@ -650,7 +638,7 @@ def block_logits_kv(
     """
     x, ks, vs = _hidden_block(
         cfg, params, tokens, positions, block_mask, cache, slots, cache_lens, cache_mask, kv_len,
-        side, rows_are_slots, layout,
+        side, layout,
     )  # fmt: skip
     if logit_index is not None:
         x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)

@@ -139,38 +139,6 @@ def test_commit_kv_keeps_accepted_path():
     np.testing.assert_allclose(np.asarray(logits[0, 0]), ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("unstacked", [pytest.param(False, marks=pytest.mark.slow), True])
-def test_rows_are_slots_reads_the_same_cache_rows_as_the_per_row_slices(unstacked):
-    """`rows_are_slots` (one static slice of the layer) against per-row dynamic slices:
-    same logits and K/V for every active row; an inactive row (-1) may read anything."""
-    cfg = CONFIGS["llama_gqa"]
-    params = T.init_params(cfg, jax.random.key(3))
-    if unstacked:  # layers unrolled (static layer index), as the engine runs them on CPU
-        params = T.unstack_layers(params)
-    rng = np.random.default_rng(5)
-    cache = T.KVCache(*(jnp.asarray(rng.normal(size=(cfg.num_layers, 3, cfg.num_kv_heads,
-                                                     MAX_LEN, cfg.head_dim)), jnp.float32)
-                        for _ in range(2)))  # fmt: skip
-    n = 3
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, n)), jnp.int32)
-    lens = jnp.asarray([7, 0, 12], jnp.int32)
-    positions = lens[:, None] + jnp.arange(n)[None]
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (3, n, n))
-    slots = jnp.asarray([0, -1, 2], jnp.int32)
-    out = {
-        flag: T.block_logits_kv(params, cache, tokens, positions, mask, slots, lens, cfg=cfg,
-                                kv_len=16, rows_are_slots=flag)
-        for flag in (False, True)
-    }  # fmt: skip
-    for want, got in zip(out[False], out[True], strict=True):
-        rows = np.array([0, 2])  # K/V are [L, B, ...], logits [B, ...]
-        if want.ndim == 5:
-            want, got = want[:, rows], got[:, rows]
-        else:
-            want, got = want[rows], got[rows]
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-
-
 def test_forward_train_matches_prefill():
     cfg = CONFIGS["qwen3_kv1"]
     params = T.init_params(cfg, jax.random.key(0))
