@@ -121,9 +121,9 @@ class ModelRunner:
         blocks = self.blocks.table[slot, : self.blocks.blocks_for(length)]
 
         def read(a):
-            g = np.asarray(a[:, blocks], np.float32)  # [L, nb, K, bs, hd]
-            n_l, nb, k, bs, hd = g.shape
-            return g.transpose(0, 2, 1, 3, 4).reshape(n_l, k, nb * bs, hd)[:, :, :length]
+            g = np.asarray(a[:, :, blocks], np.float32)  # [L, K, nb, bs, hd]
+            n_l, k, nb, bs, hd = g.shape
+            return g.reshape(n_l, k, nb * bs, hd)[:, :, :length]
 
         return read(cache.k), read(cache.v)
 

@@ -114,10 +114,11 @@ def param_specs(cfg: ModelConfig, params: Params, tp: int) -> Params:
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def cache_spec(cfg: ModelConfig, tp: int) -> PartitionSpec:
-    """KV cache [L, slots, K, T, hd]: split K/V heads when they divide, else replicate."""
+def cache_spec(cfg: ModelConfig, tp: int, paged: bool = False) -> PartitionSpec:
+    """KV cache [L, slots, K, T, hd] (paged: [L, K, blocks, block_size, hd]): split
+    K/V heads when they divide, else replicate."""
     if tp > 1 and divisible(cfg, tp)["kv_heads"]:
-        return _spec(5, 2)
+        return _spec(5, 1 if paged else 2)
     return PartitionSpec()
 
 
@@ -138,9 +139,10 @@ def shard_params(cfg: ModelConfig, params: Params, mesh: Mesh) -> Params:
 def shard_cache(cfg: ModelConfig, cache: KVCache | PagedKVCache, mesh: Mesh):
     """`cache` placed over `mesh` by `cache_spec` (a paged cache's block table on
     every device)."""
-    sharding = NamedSharding(mesh, cache_spec(cfg, mesh.shape[AXIS]))
+    paged = isinstance(cache, PagedKVCache)
+    sharding = NamedSharding(mesh, cache_spec(cfg, mesh.shape[AXIS], paged))
     k, v = jax.device_put(cache.k, sharding), jax.device_put(cache.v, sharding)
-    if isinstance(cache, PagedKVCache):
+    if paged:
         return PagedKVCache(k=k, v=v, table=replicate(cache.table, mesh))
     return KVCache(k=k, v=v)
 

@@ -91,8 +91,8 @@ class PagedKVCache:
     """Per-layer K/V in fixed-size blocks, a block table mapping each slot's positions
     to blocks (vLLM's paged layout).
 
-    k: jax.Array  # [L, num_blocks, K, block_size, hd]
-    v: jax.Array  # [L, num_blocks, K, block_size, hd]
+    k: jax.Array  # [L, K, num_blocks, block_size, hd]
+    v: jax.Array  # [L, K, num_blocks, block_size, hd]
     table: jax.Array  # i32[slots, max_blocks]: position p of slot s lives at block
                       # table[s, p // block_size], row p % block_size
 
@@ -102,6 +102,10 @@ class PagedKVCache:
     valid data (attention masks it). The host owns the table
     (`runner.BlockAllocator`); a call reads only the blocks under its rows'
     `kv_len` positions, so a step costs what its rows hold, not what the pool holds.
+
+    K/V heads come before blocks so that one K/V head's blocks gather straight into
+    the [rows, positions, hd] operand its attention products read (`Layout.cache_rows`):
+    with heads inside a block, a per-head read is a second, strided copy.
     """
 
     k: jax.Array
@@ -118,7 +122,7 @@ class PagedKVCache:
 
     @property
     def num_blocks(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2]
 
     @property
     def max_len(self) -> int:
@@ -131,7 +135,7 @@ class PagedKVCache:
             raise ValueError(
                 f"max_len ({max_len}) must be a multiple of block_size ({block_size})."
             )
-        shape = (cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         table = jnp.zeros((num_slots, max_len // block_size), jnp.int32)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), table=table)
 
@@ -294,6 +298,12 @@ class Layout:
         out = out + jnp.einsum("bkgnm,bmkd->bnkgd", p[..., t:], v)
         return out.reshape(b, n, kh * g * hd)
 
+    def cache_rows(self, arr, layer, rows, kv_len: int, keep) -> jax.Array:
+        """Layer `layer`'s cache `rows` ([B, K, kv_len, hd], `_cache_rows`) in the form
+        `attention` reads, zero where bool `keep` [B, 1, kv_len, 1] is false (so NaN or
+        stale data in unused positions cannot leak through 0 * NaN)."""
+        return jnp.where(keep, _cache_rows(arr, layer, rows, kv_len), 0)
+
     def over_layers(self, body, x, layers, side_k=None, side_v=None):
         """Runs `body(x, (lp, i, sk, sv)) -> (x, (k, v))` over the layers, where i is
         the layer's index into the cache and sk / sv its side buffers (or None).
@@ -424,13 +434,17 @@ def _hidden_block(
         cache_mask = cache_mask & (positions[:, :, None] - t[None, None, :] < cfg.sliding_window)
     # Zero the unused slots so NaN (or stale) data there cannot leak through 0 * NaN.
     keep = cache_valid[:, None, :, None]
-    table = cache.table if isinstance(cache, PagedKVCache) else None
-    # A paged read sends padding rows (slot -1) to the null block; a slot cache clips.
-    row_slots = slots if table is not None else jnp.clip(slots, 0, cache.num_slots - 1)
+    if isinstance(cache, PagedKVCache):
+        # The rows' blocks, resolved once: left to XLA, each layer's gathers would
+        # recompute them per element. Padding rows (slot -1) read the null block.
+        nb = -(-kv_len // cache.block_size)
+        rows = jax.lax.optimization_barrier(_row_tables(cache.table, slots, nb))
+    else:
+        rows = jnp.clip(slots, 0, cache.num_slots - 1)
 
     def body(x, layer):
         lp, i, sk, sv = layer  # i: this layer's index into the cache (traced under scan)
-        kc, vc = (jnp.where(keep, _cache_rows(a, i, row_slots, kv_len, table), 0)
+        kc, vc = (layout.cache_rows(a, i, rows, kv_len, keep)
                   for a in (cache.k, cache.v))  # fmt: skip
         side_l = None if side is None else (sk, sv, side.at)
         x, k, v = _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, kc, vc, side_l,
@@ -442,25 +456,25 @@ def _hidden_block(
 
 
 def _cache_rows(
-    arr: jax.Array,
-    layer,
-    slots: jax.Array,
-    kv_len: int,
-    table: jax.Array | None = None,
+    arr: jax.Array, layer, rows: jax.Array, kv_len: int, head: int | None = None
 ) -> jax.Array:
-    """arr[layer, slots, :, :kv_len] of a cache [L, S, K, T, hd] -> [B, K, kv_len, hd].
+    """Cache rows [B, K, kv_len, hd] of layer `layer`, or with `head` just that K/V
+    head's [B, kv_len, hd]. `rows` are the rows' slots i32[B] in a slot cache
+    [L, S, K, T, hd], or their first blocks i32[B, nb] in a paged pool (`_paged_rows`).
 
-    One contiguous slice per row, straight from the cache: slicing `[..., :kv_len]`
+    One contiguous slice per row, straight from a slot cache: slicing `[..., :kv_len]`
     first and then picking rows with an index-array gather (an element-wise loop
-    on XLA CPU) would copy the cache twice. With a paged cache's `table`, the
-    rows' blocks are gathered instead (`_paged_rows`).
+    on XLA CPU) would copy the cache twice.
     """
-    if table is not None:
-        return _paged_rows(arr, layer, slots, kv_len, table)
+    if rows.ndim == 2:
+        return _paged_rows(arr, layer, rows, kv_len, head)
     _, _, k, _, hd = arr.shape
-    rows = [jax.lax.dynamic_slice(arr, (layer, slots[b], 0, 0, 0), (1, 1, k, kv_len, hd))[0, 0]
-            for b in range(slots.shape[0])]  # fmt: skip
-    return jnp.stack(rows)
+    at, size = (0, k) if head is None else (head, 1)
+    out = jnp.stack([
+        jax.lax.dynamic_slice(arr, (layer, rows[b], at, 0, 0), (1, 1, size, kv_len, hd))[0, 0]
+        for b in range(rows.shape[0])
+    ])  # fmt: skip
+    return out if head is None else out[:, 0]
 
 
 def _row_tables(table: jax.Array, slots: jax.Array, nb: int) -> jax.Array:
@@ -470,25 +484,27 @@ def _row_tables(table: jax.Array, slots: jax.Array, nb: int) -> jax.Array:
     return jnp.where(slots[:, None] >= 0, table[safe, :nb], 0)
 
 
-def _paged_rows(arr, layer, slots, kv_len, table) -> jax.Array:
-    """A paged pool [L, NB, K, bs, hd] read as [B, K, kv_len, hd] (one gather of the
-    rows' first kv_len / bs blocks: whole blocks, so it moves what a contiguous
-    slice would)."""
-    bs = arr.shape[3]
-    nb = -(-kv_len // bs)
-    blocks = _row_tables(table, slots, nb)  # [B, nb]
-    layer_arr = arr[layer] if isinstance(layer, int) else jax.lax.dynamic_index_in_dim(
-        arr, layer, 0, keepdims=False)  # fmt: skip
-    g = layer_arr[blocks]  # [B, nb, K, bs, hd]
-    b, _, k, _, hd = g.shape
-    return g.transpose(0, 2, 1, 3, 4).reshape(b, k, nb * bs, hd)[:, :, :kv_len]
+def _paged_rows(arr, layer, blocks, kv_len, head: int | None = None) -> jax.Array:
+    """A paged pool [L, K, NB, bs, hd] read as [B, K, kv_len, hd], or with `head` one
+    K/V head's [B, kv_len, hd], given each row's first blocks i32[B, nb] (one gather
+    of whole blocks, so it moves what a contiguous slice would; a head's gather is
+    already in the layout its products read)."""
+    _, k, _, bs, hd = arr.shape
+    b, nb = blocks.shape
+    at, size = (0, k) if head is None else (head, 1)
+    part = jax.lax.dynamic_slice(arr, (layer, at, 0, 0, 0), (1, size, *arr.shape[2:]))[0]
+    if head is not None:  # [B, nb, bs, hd] -> [B, nb * bs, hd]
+        got = part[0].at[blocks].get(mode="promise_in_bounds")
+        return got.reshape(b, nb * bs, hd)[:, :kv_len]
+    g = part.at[:, blocks].get(mode="promise_in_bounds")  # [K, B, nb, bs, hd]
+    return g.transpose(1, 0, 2, 3, 4).reshape(b, k, nb * bs, hd)[:, :, :kv_len]
 
 
 def _put_paged(cache: PagedKVCache, k_rows, v_rows, slots, starts) -> PagedKVCache:
     """`_put_rows` for a paged cache: one scatter of every row's n tokens to
     (table[slot, pos // bs], pos % bs). Padding rows and positions past a row's
     blocks write the null block. In place when the cache is donated."""
-    b, _, _, n, _ = k_rows.shape
+    b, n_l, k, n, hd = k_rows.shape
     bs = cache.block_size
     pos = starts[:, None] + jnp.arange(n, dtype=jnp.int32)[None]  # [B, n]
     mb = cache.table.shape[1]
@@ -497,9 +513,9 @@ def _put_paged(cache: PagedKVCache, k_rows, v_rows, slots, starts) -> PagedKVCac
     blk = jnp.where(pos // bs < mb, jnp.take_along_axis(blocks, idx, axis=1), 0).reshape(-1)
     off = (pos % bs).reshape(-1)
 
-    def put(pool, rows):  # rows [B, L, K, n, hd] -> values [B * n, L, K, hd]
-        vals = rows.transpose(0, 3, 1, 2, 4).reshape(b * n, *rows.shape[1:3], rows.shape[4])
-        return pool.at[:, blk, :, off].set(vals.astype(pool.dtype), mode="promise_in_bounds")
+    def put(pool, rows):  # rows [B, L, K, n, hd] -> values [L, K, B * n, hd]
+        vals = rows.transpose(1, 2, 0, 3, 4).reshape(n_l, k, b * n, hd)
+        return pool.at[:, :, blk, off].set(vals.astype(pool.dtype), mode="promise_in_bounds")
 
     return dataclasses.replace(cache, k=put(cache.k, k_rows), v=put(cache.v, v_rows))
 

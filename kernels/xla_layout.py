@@ -46,6 +46,7 @@ from specdec.kernels.transformer import (
     _NEG,
     Layout,
     Params,
+    _cache_rows,
     matmul,
     param_shapes,
     unstack_layers,
@@ -104,32 +105,53 @@ class XlaLayout(Layout):
         f = gu.shape[-1] // 2
         return gu[..., :f], gu[..., f:]
 
+    def cache_rows(self, arr, layer, rows, kv_len, keep):
+        """Per K/V head: a tuple of each head's [B, kv_len, hd] rows, read straight
+        into the operand its products take (`transformer._cache_rows` with `head`)."""
+        if not self.per_kv_head:
+            return super().cache_rows(arr, layer, rows, kv_len, keep)
+        heads = arr.shape[1 if rows.ndim == 2 else 2]  # [L, K, NB, bs, hd] or [L, S, K, T, hd]
+        return tuple(
+            jnp.where(keep[:, 0], _cache_rows(arr, layer, rows, kv_len, head=j), 0)
+            for j in range(heads)
+        )
+
     def attention(self, cfg, q, k, v, k_cache, v_cache, cache_mask, block_mask):
         if k_cache is None or not self.per_kv_head:
             return super().attention(cfg, q, k, v, k_cache, v_cache, cache_mask, block_mask)
+        k_cache, v_cache = _heads(k_cache), _heads(v_cache)
         if self.keys_transposed:  # the same copy, written out transposed
-            k_cache = jnp.swapaxes(k_cache, -1, -2)
+            k_cache = tuple(jnp.swapaxes(kj, -1, -2) for kj in k_cache)
         return attention_per_kv_head(
             q, k, v, k_cache, v_cache, cache_mask, block_mask, self.keys_transposed
         )
+
+
+def _heads(cache_rows) -> tuple:
+    """Cache rows [B, K, T, hd] as a tuple of K heads' [B, T, hd] (a tuple as it is)."""
+    if isinstance(cache_rows, tuple):
+        return cache_rows
+    return tuple(cache_rows[:, j] for j in range(cache_rows.shape[1]))
 
 
 def attention_per_kv_head(q, k, v, k_cache, v_cache, cache_mask, block_mask, keys_t=False):
     """`Layout.attention` with a cache, one K/V head at a time (same maths, same masks).
 
     q f32[B, N, K, G, hd] (scaled, RoPE applied); block keys k, v f32[B, M, K, hd];
-    caches [B, K, T, hd] (keys [B, K, hd, T] with `keys_t`). A head's G query heads
+    caches [B, K, T, hd] or a tuple of K heads' [B, T, hd] (`XlaLayout.cache_rows`;
+    keys [.., hd, T] with `keys_t`). A head's G query heads
     and N tokens form one [G * N, hd] block of queries (row g * N + i), so each
     product is a plain [G * N, hd] x [hd, T] matmul per row.
     """
     b, n, kh, g, hd = q.shape
-    t, m = k_cache.shape[3 if keys_t else 2], k.shape[1]
+    k_cache, v_cache = _heads(k_cache), _heads(v_cache)
+    t, m = k_cache[0].shape[2 if keys_t else 1], k.shape[1]
     qh = q.transpose(0, 2, 3, 1, 4).reshape(b, kh, g * n, hd)
     cmask = jnp.broadcast_to(cache_mask[:, None], (b, g, n, t)).reshape(b, g * n, t)
     bmask = jnp.broadcast_to(block_mask[:, None], (b, g, n, m)).reshape(b, g * n, m)
     outs = []
     for j in range(kh):
-        kj = k_cache[:, j].astype(jnp.float32)
+        kj = k_cache[j].astype(jnp.float32)
         s_c = jnp.einsum("bmd,bdt->bmt" if keys_t else "bmd,btd->bmt", qh[:, j], kj)
         s_b = jnp.einsum("bmd,bnd->bmn", qh[:, j], k[:, :, j])
         s_c = jnp.where(cmask, s_c, _NEG)
@@ -137,7 +159,7 @@ def attention_per_kv_head(q, k, v, k_cache, v_cache, cache_mask, block_mask, key
         mx = jnp.maximum(s_c.max(axis=-1, keepdims=True), s_b.max(axis=-1, keepdims=True))
         e_c, e_b = jnp.exp(s_c - mx), jnp.exp(s_b - mx)
         denom = e_c.sum(axis=-1, keepdims=True) + e_b.sum(axis=-1, keepdims=True)
-        o = jnp.einsum("bmt,btd->bmd", e_c, v_cache[:, j].astype(jnp.float32))
+        o = jnp.einsum("bmt,btd->bmd", e_c, v_cache[j].astype(jnp.float32))
         o = o + jnp.einsum("bmn,bnd->bmd", e_b, v[:, :, j])
         outs.append(o / denom)
     out = jnp.stack(outs, axis=1).reshape(b, kh, g, n, hd)  # [B, K, G, N, hd]

@@ -31,6 +31,7 @@ def test_specs_cut_whole_heads_and_replicate_what_does_not_divide():
     assert lay["attn_norm"] == P() and specs["final_norm"] == P()
     assert sharding.cache_spec(cfg, 4) == P()
     assert sharding.cache_spec(cfg, 2) == P(None, None, "tp", None, None)
+    assert sharding.cache_spec(cfg, 2, paged=True) == P(None, "tp", None, None, None)
     two = sharding.param_specs(cfg, init_params(cfg, jax.random.key(0)), 2)
     assert two["layers"]["wk"] == P(None, None, "tp")  # K=2 splits 2 ways
 
@@ -91,7 +92,7 @@ CHILD = textwrap.dedent(
         assert out == ref, (kv, seqs)
         spec = runner.cache.k.sharding.spec
         print(kv, "cache", spec, "wq", jax.tree.leaves(runner.params)[0].sharding.spec)
-        assert (spec == sharding.cache_spec(llm.config, 4)), spec
+        assert (spec == sharding.cache_spec(llm.config, 4, paged=True)), spec
         # The same through the API: LLM(tensor_parallel_size=4) shards it at start.
         tp = LLM(d, max_model_len=64, max_num_seqs=seqs, tensor_parallel_size=4)
         assert tp.engine.target.runner.cache.k.sharding.spec == spec
