@@ -32,6 +32,7 @@ is made (`specdec/plan.py`), never while requests are served.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -169,10 +170,35 @@ def plan_tree(cfg: ModelConfig, dtype=jnp.float32, max_bytes: int = 256 << 20) -
     return plan_from_costs(product_costs(cfg, dtype, PLAN_ROWS, max_bytes=max_bytes))
 
 
+def host_cpu() -> str:
+    """This host's CPU as /proc/cpuinfo names it (model name, family/model and a
+    digest of its flags; a VM's model name may hide the rest), or "" where unknown.
+
+    Part of every remembered timing's key: a cache folder can outlive the machine
+    (a home directory moved to another host), and the timings are the CPU's."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "cpu family", "model", "flags", "Features"):
+                fields.setdefault(key, value.strip())
+            elif not line.strip() and fields:
+                break  # the first processor's block is enough
+    except OSError:
+        return ""
+    flags = fields.get("flags", fields.get("Features", ""))
+    digest = hashlib.sha1(flags.encode()).hexdigest()[:8]
+    return (f"{fields.get('model name', '?')}/{fields.get('cpu family', '?')}/"
+            f"{fields.get('model', '?')}/{digest}")  # fmt: skip
+
+
 def _cache_key(cfg: ModelConfig, dtype) -> str:
     dev = jax.devices()[0]
     shapes = ",".join(f"{a}x{b}" for a, b in sorted(set(weight_shapes(cfg))))
-    return f"{dev.platform}:{dev.device_kind}:{os.cpu_count()}:{jnp.dtype(dtype).name}:{shapes}"
+    host = host_cpu() if dev.platform == "cpu" else ""
+    return (f"{dev.platform}:{dev.device_kind}:{host}:{os.cpu_count()}:"
+            f"{jnp.dtype(dtype).name}:{shapes}")  # fmt: skip
 
 
 def cached_costs(cfg: ModelConfig, dtype, rows: list[int]) -> dict[str, dict[int, float]]:

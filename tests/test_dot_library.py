@@ -195,6 +195,10 @@ def test_plan_and_best_library_use_the_faster_library(monkeypatch, tmp_path):
     sizing.best_library(cfg, jnp.float32, 9)
     sizing.cached_plan(cfg, jnp.float32)
     assert len(calls) == 4
+    # The same cache folder on another CPU (a home directory that moved) times again.
+    monkeypatch.setattr(sizing, "host_cpu", lambda: "Some Other CPU/25/17/0badf1a9")
+    sizing.best_library(cfg, jnp.float32, 9)
+    assert calls[4:] == [[9]]
 
 
 @pytest.mark.slow
