@@ -69,7 +69,7 @@ class ModelRunner:
         # One spare chunk: a padded prefill chunk always fits, so writes are never clamped;
         # rounded up to the 16-row tile so a kernel may DMA any aligned window of it.
         alloc = -(-(max_len + prefill_chunk) // 16) * 16
-        cache_dtype = xla_layout.cache_dtype(params["embed"].dtype)
+        cache_dtype = xla_layout.cache_dtype(params["embed"].dtype, paged=not stacked)
         self.token_bytes = transformer.token_bytes(cfg, cache_dtype)
         self.blocks: BlockAllocator | None = None
         if stacked:
@@ -121,7 +121,7 @@ class ModelRunner:
         blocks = self.blocks.table[slot, : self.blocks.blocks_for(length)]
 
         def read(a):
-            g = np.asarray(a[:, :, blocks], np.float32)  # [L, K, nb, bs, hd]
+            g = np.asarray(transformer.from_stored(a[:, :, blocks]), np.float32)  # L, K, nb, bs, hd
             n_l, k, nb, bs, hd = g.shape
             return g.reshape(n_l, k, nb * bs, hd)[:, :, :length]
 

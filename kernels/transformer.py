@@ -140,6 +140,21 @@ class PagedKVCache:
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), table=table)
 
 
+def to_stored(x: jax.Array, dtype) -> jax.Array:
+    """K/V values as a cache of `dtype` stores them: uint16 holds bfloat16 bits
+    (`xla_layout.cache_dtype`: XLA CPU updates a uint16 buffer in place)."""
+    if jnp.dtype(dtype) == jnp.uint16:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(dtype)
+
+
+def from_stored(x: jax.Array) -> jax.Array:
+    """Cache contents as K/V values (`to_stored`'s inverse; bfloat16 for uint16)."""
+    if x.dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+    return x
+
+
 def token_bytes(cfg: ModelConfig, dtype) -> int:
     """Cache bytes one token holds over all layers (K and V)."""
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
@@ -467,7 +482,7 @@ def _cache_rows(
     on XLA CPU) would copy the cache twice.
     """
     if rows.ndim == 2:
-        return _paged_rows(arr, layer, rows, kv_len, head)
+        return from_stored(_paged_rows(arr, layer, rows, kv_len, head))
     _, _, k, _, hd = arr.shape
     at, size = (0, k) if head is None else (head, 1)
     out = jnp.stack([
@@ -515,7 +530,7 @@ def _put_paged(cache: PagedKVCache, k_rows, v_rows, slots, starts) -> PagedKVCac
 
     def put(pool, rows):  # rows [B, L, K, n, hd] -> values [L, K, B * n, hd]
         vals = rows.transpose(1, 2, 0, 3, 4).reshape(n_l, k, b * n, hd)
-        return pool.at[:, :, blk, off].set(vals.astype(pool.dtype), mode="promise_in_bounds")
+        return pool.at[:, :, blk, off].set(to_stored(vals, pool.dtype), mode="promise_in_bounds")
 
     return dataclasses.replace(cache, k=put(cache.k, k_rows), v=put(cache.v, v_rows))
 

@@ -151,15 +151,18 @@ def attention_per_kv_head(q, k, v, k_cache, v_cache, cache_mask, block_mask, key
     bmask = jnp.broadcast_to(block_mask[:, None], (b, g, n, m)).reshape(b, g * n, m)
     outs = []
     for j in range(kh):
-        kj = k_cache[j].astype(jnp.float32)
-        s_c = jnp.einsum("bmd,bdt->bmt" if keys_t else "bmd,btd->bmt", qh[:, j], kj)
+        kj, vj = k_cache[j], v_cache[j]
+        # A 16-bit cache is read as it is stored: the query and the weights are rounded
+        # to its dtype and the products accumulate in float32 (bfloat16 attention).
+        s_c = jnp.einsum("bmd,bdt->bmt" if keys_t else "bmd,btd->bmt", qh[:, j].astype(kj.dtype),
+                         kj, preferred_element_type=jnp.float32)  # fmt: skip
         s_b = jnp.einsum("bmd,bnd->bmn", qh[:, j], k[:, :, j])
         s_c = jnp.where(cmask, s_c, _NEG)
         s_b = jnp.where(bmask, s_b, _NEG)
         mx = jnp.maximum(s_c.max(axis=-1, keepdims=True), s_b.max(axis=-1, keepdims=True))
         e_c, e_b = jnp.exp(s_c - mx), jnp.exp(s_b - mx)
         denom = e_c.sum(axis=-1, keepdims=True) + e_b.sum(axis=-1, keepdims=True)
-        o = jnp.einsum("bmt,btd->bmd", e_c, v_cache[j].astype(jnp.float32))
+        o = jnp.einsum("bmt,btd->bmd", e_c.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
         o = o + jnp.einsum("bmn,bnd->bmd", e_b, v[:, :, j])
         outs.append(o / denom)
     out = jnp.stack(outs, axis=1).reshape(b, kh, g, n, hd)  # [B, K, G, N, hd]
@@ -175,16 +178,21 @@ def for_backend(cfg: ModelConfig, backend: str | None = None) -> XlaLayout:
 # ----------------------------------------------------------------------------- params
 
 
-def cache_dtype(weight_dtype, backend: str | None = None) -> jnp.dtype:
-    """The KV-cache dtype for weights of `weight_dtype`: the same, except float32 on CPU.
+def cache_dtype(weight_dtype, backend: str | None = None, paged: bool = True) -> jnp.dtype:
+    """The dtype a KV cache stores for weights of `weight_dtype`: the same, except on CPU.
 
     XLA CPU cannot update a bfloat16 buffer in place: it widens the whole buffer
-    to float32 and back, so writing one step's K/V would copy all of it. Float32
-    K/V cost twice the memory, no precision.
+    to float32 and back, so writing one step's K/V would copy all of it; a uint16
+    buffer it updates in place. So on CPU a paged cache of 16-bit weights stores the
+    bfloat16 bits as uint16 (`transformer.to_stored` / `from_stored`: half the bytes of
+    float32 to hold and to read every step) and a slot cache (the megakernel's) float32.
     """
-    if (backend or jax.default_backend()) == "cpu":
-        return jnp.dtype(jnp.float32)
-    return jnp.dtype(weight_dtype)
+    wdt = jnp.dtype(weight_dtype)
+    if (backend or jax.default_backend()) != "cpu":
+        return wdt
+    if paged and wdt.itemsize == 2:
+        return jnp.dtype(jnp.uint16)
+    return jnp.dtype(jnp.float32)
 
 
 def fuse_projections(params: Params) -> Params:

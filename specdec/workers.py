@@ -226,7 +226,7 @@ def kv_pool(
     """
     from specdec.kernels import blocks, xla_layout
 
-    cdtype = xla_layout.cache_dtype(jnp.dtype(dtype))
+    cdtype = xla_layout.cache_dtype(jnp.dtype(dtype), paged=kernel != "megakernel")
     per_token = transformer.token_bytes(cfg, cdtype)
     if draft_cfg is not None:
         per_token += transformer.token_bytes(draft_cfg, cdtype)

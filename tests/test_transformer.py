@@ -214,18 +214,36 @@ def test_runner_layout_forward_matches_the_reference(name, rows):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
 
 
-def test_kv_cache_is_float32_on_cpu_for_bfloat16_weights():
-    """XLA CPU cannot write a bfloat16 buffer in place, so CPU caches are float32."""
+def test_cpu_caches_of_bfloat16_weights():
+    """XLA CPU cannot write a bfloat16 buffer in place (it widens all of it to float32
+    and back), so a paged cache of bfloat16 weights keeps the bfloat16 bits in uint16,
+    written in place and read back as bfloat16; the megakernel's slot cache is float32."""
     from specdec.kernels.runner import ModelRunner
-
-    cfg = CONFIGS["llama_gqa"]
-    params = T.init_params(cfg, jax.random.key(0), jnp.bfloat16)
-    runner = ModelRunner(cfg, params, num_slots=1, max_len=MAX_LEN)
-    assert jax.default_backend() == "cpu"
     from specdec.kernels.xla_layout import cache_dtype
 
-    assert runner.cache.k.dtype == jnp.float32 == cache_dtype(jnp.bfloat16)
+    assert jax.default_backend() == "cpu"
+    assert cache_dtype(jnp.bfloat16) == jnp.uint16
+    assert cache_dtype(jnp.bfloat16, paged=False) == jnp.float32 == cache_dtype(jnp.float32)
+    assert cache_dtype(jnp.bfloat16, backend="tpu") == jnp.bfloat16
+    cfg = CONFIGS["llama_gqa"]
+    params = T.init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    stacked = ModelRunner(cfg, params, num_slots=1, max_len=MAX_LEN, stacked=True)
+    assert stacked.cache.k.dtype == jnp.float32
+    runner = ModelRunner(cfg, params, num_slots=2, max_len=MAX_LEN)
+    assert runner.cache.k.dtype == jnp.uint16
     assert runner.params["embed"].dtype == jnp.bfloat16
+    assert runner.token_bytes == 2 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+    rng = np.random.default_rng(0)
+    shape = (cfg.num_layers, 1, 3, cfg.num_kv_heads, cfg.head_dim)  # [L, B, N, K, hd]
+    ks, vs = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in "kv")
+    runner.ensure([1], [3])
+    cache = runner.cache
+    before = cache.k.unsafe_buffer_pointer()
+    runner.cache = T.write_kv(cache, ks, vs, jnp.asarray([1]), jnp.asarray([0], jnp.int32))
+    assert runner.cache.k.unsafe_buffer_pointer() == before  # in place
+    for got, want in zip(runner.slot_kv(1, 3), (ks, vs), strict=True):  # [L, K, 3, hd]
+        rounded = np.asarray(want.astype(jnp.bfloat16).astype(jnp.float32))
+        np.testing.assert_array_equal(got, rounded[:, 0].transpose(0, 2, 1, 3))
 
 
 def test_prefill_chunk_lengths():
