@@ -147,7 +147,8 @@ class TargetActor(_Host):
         from specdec.kernels import sharding
 
         # Decided here, on the host that runs the products (`plan.resolve_dtype`).
-        dtype = plan.resolve_dtype(model, dtype, rows=plan.PLAN_SLOTS * (1 + max_tree_nodes))
+        rows = plan.dtype_rows(1 + max_tree_nodes, num_slots)
+        dtype = plan.resolve_dtype(model, dtype, rows=rows)
         self.dtype = dtype
         self.cfg, params = load_model(model, dtype=dtype)
         # This group's own KV budget (its host's memory), for its own model only.
@@ -257,7 +258,7 @@ class DraftActor(_Host):
         spec = SpeculativeConfig.from_dict(spec)
         # Decided here, for the rows a step verifies (as in-process), and the tree with it.
         dtype = plan.resolve_dtype(
-            target_model, dtype, rows=plan.verify_rows(spec, plan.PLAN_SLOTS)
+            target_model, dtype, rows=plan.dtype_rows(plan.verify_rows(spec, 1), num_slots)
         )
         self.target_cfg = load_config(target_model)
         tree, note = plan.tree_shape(spec, self.target_cfg, dtype, plan.PLAN_SLOTS)

@@ -317,7 +317,7 @@ class Layout:
         """Layer `layer`'s cache `rows` ([B, K, kv_len, hd], `_cache_rows`) in the form
         `attention` reads, zero where bool `keep` [B, 1, kv_len, 1] is false (so NaN or
         stale data in unused positions cannot leak through 0 * NaN)."""
-        return jnp.where(keep, _cache_rows(arr, layer, rows, kv_len), 0)
+        return _cache_rows(arr, layer, rows, kv_len, keep=keep)
 
     def over_layers(self, body, x, layers, side_k=None, side_v=None):
         """Runs `body(x, (lp, i, sk, sv)) -> (x, (k, v))` over the layers, where i is
@@ -471,25 +471,31 @@ def _hidden_block(
 
 
 def _cache_rows(
-    arr: jax.Array, layer, rows: jax.Array, kv_len: int, head: int | None = None
+    arr: jax.Array, layer, rows: jax.Array, kv_len: int, head: int | None = None, keep=None
 ) -> jax.Array:
     """Cache rows [B, K, kv_len, hd] of layer `layer`, or with `head` just that K/V
     head's [B, kv_len, hd]. `rows` are the rows' slots i32[B] in a slot cache
     [L, S, K, T, hd], or their first blocks i32[B, nb] in a paged pool (`_paged_rows`).
+    Zero where bool `keep` (broadcast against the result) is false, applied to the
+    stored bits (a bfloat16 select on XLA CPU goes through float32).
 
     One contiguous slice per row, straight from a slot cache: slicing `[..., :kv_len]`
     first and then picking rows with an index-array gather (an element-wise loop
     on XLA CPU) would copy the cache twice.
     """
     if rows.ndim == 2:
-        return from_stored(_paged_rows(arr, layer, rows, kv_len, head))
-    _, _, k, _, hd = arr.shape
-    at, size = (0, k) if head is None else (head, 1)
-    out = jnp.stack([
-        jax.lax.dynamic_slice(arr, (layer, rows[b], at, 0, 0), (1, 1, size, kv_len, hd))[0, 0]
-        for b in range(rows.shape[0])
-    ])  # fmt: skip
-    return out if head is None else out[:, 0]
+        out = _paged_rows(arr, layer, rows, kv_len, head)
+    else:
+        _, _, k, _, hd = arr.shape
+        at, size = (0, k) if head is None else (head, 1)
+        out = jnp.stack([
+            jax.lax.dynamic_slice(arr, (layer, rows[b], at, 0, 0), (1, 1, size, kv_len, hd))[0, 0]
+            for b in range(rows.shape[0])
+        ])  # fmt: skip
+        out = out if head is None else out[:, 0]
+    if keep is not None:
+        out = jnp.where(keep, out, jnp.zeros((), out.dtype))
+    return from_stored(out)
 
 
 def _row_tables(table: jax.Array, slots: jax.Array, nb: int) -> jax.Array:

@@ -112,8 +112,7 @@ class XlaLayout(Layout):
             return super().cache_rows(arr, layer, rows, kv_len, keep)
         heads = arr.shape[1 if rows.ndim == 2 else 2]  # [L, K, NB, bs, hd] or [L, S, K, T, hd]
         return tuple(
-            jnp.where(keep[:, 0], _cache_rows(arr, layer, rows, kv_len, head=j), 0)
-            for j in range(heads)
+            _cache_rows(arr, layer, rows, kv_len, head=j, keep=keep[:, 0]) for j in range(heads)
         )
 
     def attention(self, cfg, q, k, v, k_cache, v_cache, cache_mask, block_mask):

@@ -23,7 +23,15 @@ from specdec.checkpoint import load_config, load_model
 from specdec.engine import LLMEngine, WorkerLostError
 from specdec.outputs import RequestOutput, SpecDecodeMetrics
 from specdec.params import SamplingParams, SpeculativeConfig, broadcast_params, generation_defaults
-from specdec.plan import PLAN_SLOTS, Plan, TreeShape, make_plan, resolve_dtype, verify_rows
+from specdec.plan import (
+    PLAN_SLOTS,
+    Plan,
+    TreeShape,
+    dtype_rows,
+    make_plan,
+    resolve_dtype,
+    verify_rows,
+)
 from specdec.tokenizer import Tokenizer
 from specdec.workers import (
     KernelName,
@@ -49,8 +57,9 @@ class LLM:
         model: folder with config.json, safetensors weights and (for text prompts)
             tokenizer.json.
         dtype: weight dtype; "auto" = bfloat16 off CPU; on CPU float32, except
-            that a bfloat16 checkpoint stays bfloat16 where bfloat16 products time
-            faster than float32 ones on this CPU (`plan.resolve_dtype`). On Ray, each
+            that a bfloat16 checkpoint stays bfloat16 unless float32 products time
+            faster both for one request's step and for a batch of min(max_num_seqs, 8)
+            on this CPU (`plan.resolve_dtype`). On Ray, each
             actor decides on its own host; `LLM.dtype` is then the target's.
         max_model_len: prompt + output tokens per sequence at most; default
             min(max_position_embeddings, 4096).
@@ -157,7 +166,7 @@ class LLM:
         if remote:  # the weights load in the target actor, not here
             self.config, params = load_config(folder), None
         else:
-            rows = verify_rows(speculative_config, PLAN_SLOTS)
+            rows = dtype_rows(verify_rows(speculative_config, 1), max_num_seqs)
             self.dtype = resolve_dtype(folder, dtype, rows=rows)
             self.config, params = load_model(folder, dtype=self.dtype)
         if kernel not in ("auto", "megakernel", "xla"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Sequence
 from typing import Literal
 
 import jax
@@ -96,18 +97,32 @@ def verify_rows(spec: SpeculativeConfig | None, max_num_seqs: int) -> int:
     return max_num_seqs * (1 + nodes)
 
 
+# dtype="auto" weighs a batch as well as a lone request: steps run over the live rows,
+# from one running request up to max_num_seqs of them.
+DTYPE_BATCH = 8
+
+
+def dtype_rows(rows_per_seq: int, max_num_seqs: int) -> tuple[int, ...]:
+    """The step sizes `resolve_dtype` times for sequences of `rows_per_seq` rows a step
+    (`verify_rows(spec, 1)`): one running request, and a batch of
+    min(max_num_seqs, `DTYPE_BATCH`)."""
+    return tuple(sorted({rows_per_seq * PLAN_SLOTS, rows_per_seq * min(max_num_seqs, DTYPE_BATCH)}))
+
+
 def resolve_dtype(
-    folder: str | os.PathLike | None, requested: str = "auto", *, rows: int | None = None
-) -> DTypeName:
+    folder: str | os.PathLike | None, requested: str = "auto", *,
+    rows: int | Sequence[int] | None = None,
+) -> DTypeName:  # fmt: skip
     """What `requested` ("auto", "float32" or "bfloat16") means here.
 
     "auto" is bfloat16 off CPU. On CPU, float32 for a checkpoint that is not
     bfloat16 (float32, float16, unknown); a bfloat16 checkpoint stays bfloat16
     unless `rows` is given and float32 weights run the model's products faster at
-    that many rows on this CPU (timed once, `sizing.faster_dtype`: on a CPU
-    without bfloat16 dot instructions a float32 product streams the weights faster
-    than the bfloat16 one converts them). Models too small for their products to
-    matter (`sizing.LIBRARY_MIN_BYTES`) are not timed."""
+    each of those step sizes on this CPU (`dtype_rows`; timed once,
+    `sizing.faster_dtype`: on a CPU without bfloat16 dot instructions a float32
+    product streams the weights faster than the bfloat16 one converts them). Kept
+    bfloat16 also halves the KV cache (`xla_layout.cache_dtype`). Models too small
+    for their products to matter (`sizing.LIBRARY_MIN_BYTES`) are not timed."""
     if requested != "auto":
         return requested  # type: ignore[return-value]
     if jax.default_backend() != "cpu":
@@ -119,7 +134,10 @@ def resolve_dtype(
     cfg = load_config(folder)
     if sizing.weight_bytes(cfg, "float32") < sizing.LIBRARY_MIN_BYTES:
         return "bfloat16"
-    return sizing.faster_dtype(cfg, rows)  # type: ignore[return-value]
+    counts = (rows,) if isinstance(rows, int) else tuple(rows)
+    if all(sizing.faster_dtype(cfg, r) == "float32" for r in counts):
+        return "float32"
+    return "bfloat16"
 
 
 def tree_shape(
@@ -202,6 +220,7 @@ def describe(plan: Plan) -> str:
 
 
 __all__ = [
-    "AUTO_NGRAM_NODES", "PLAN_SLOTS", "Plan", "TreeShape", "describe", "make_plan", "resolve_dtype",
-    "tree_shape", "verify_costs", "verify_rows", "verify_widths",
+    "AUTO_NGRAM_NODES", "DTYPE_BATCH", "PLAN_SLOTS", "Plan", "TreeShape", "describe",
+    "dtype_rows", "make_plan", "resolve_dtype", "tree_shape", "verify_costs", "verify_rows",
+    "verify_widths",
 ]  # fmt: skip

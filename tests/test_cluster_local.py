@@ -232,8 +232,9 @@ def test_auto_dtype_is_decided_in_each_actor(models, spec, monkeypatch):
     n = dw.drafter.max_nodes
     tw = TargetActor(str(models[0]), dtype="auto", num_slots=2, max_model_len=MAX_LEN,
                       max_tree_nodes=n)  # fmt: skip
-    rows = plan.verify_rows(SpeculativeConfig.from_dict(spec), plan.PLAN_SLOTS)
-    assert asked == [(str(models[0]), rows), (str(models[0]), plan.PLAN_SLOTS * (1 + n))]
+    rows = plan.dtype_rows(plan.verify_rows(SpeculativeConfig.from_dict(spec), 1), 2)
+    assert asked == [(str(models[0]), rows), (str(models[0]), plan.dtype_rows(1 + n, 2))]
+    assert rows == (1 + n, 2 * (1 + n))  # one running request, and a batch of both slots
     assert m.unpack(tw.hello(), "hello")["dtype"] == "bfloat16"
     assert tw.worker.runner.params["embed"].dtype == jnp.bfloat16
     assert dw.drafter.runner.params["embed"].dtype == jnp.bfloat16

@@ -265,6 +265,7 @@ def _bf16_config(folder, **sizes):
 @pytest.mark.parametrize("bf16_cost, expected", [(2.0, "float32"), (0.5, "bfloat16")])
 def test_auto_dtype_times_a_bfloat16_checkpoint_on_cpu(monkeypatch, tmp_path, bf16_cost, expected):
     """dtype="auto" with the rows of a step: the dtype whose products time faster."""
+    import specdec.plan as plan_mod
     from specdec.params import SpeculativeConfig
     from specdec.plan import resolve_dtype, verify_rows
 
@@ -276,7 +277,8 @@ def test_auto_dtype_times_a_bfloat16_checkpoint_on_cpu(monkeypatch, tmp_path, bf
     def fake(cfg, dtype, rows, **kw):
         asked.append((jnp.dtype(dtype).name, list(rows)))
         scale = bf16_cost if jnp.dtype(dtype) == jnp.bfloat16 else 1.0
-        return {"default": {m: scale * m for m in rows}}
+        # bfloat16 products gain more from rows: at 40 rows it always wins
+        return {"default": {m: scale * m * (0.1 if scale != 1.0 and m >= 40 else 1) for m in rows}}
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(sizing, "product_costs", fake)
@@ -286,8 +288,11 @@ def test_auto_dtype_times_a_bfloat16_checkpoint_on_cpu(monkeypatch, tmp_path, bf
     assert asked == []
     assert default_dtype(big, rows=5) == expected
     assert sorted(asked) == [("bfloat16", [5]), ("float32", [5])]
+    # float32 only where it is faster both for one request and for a batch
+    assert default_dtype(big, rows=(5, 40)) == "bfloat16"
     small = _bf16_config(tmp_path / "small")
     assert default_dtype(small, rows=5) == "bfloat16"  # too small to time
+    assert plan_mod.dtype_rows(6, 1) == (6,) and plan_mod.dtype_rows(6, 256) == (6, 48)
     assert verify_rows(None, 8) == 8
     assert verify_rows(SpeculativeConfig(method="draft_model", model="x",
                                           num_speculative_tokens=6), 2) == 14  # fmt: skip
