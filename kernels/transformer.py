@@ -272,6 +272,17 @@ class Layout:
     (`kernels/xla_layout.py`); tests compare the two.
     """
 
+    # Mixture-of-experts layers: False runs only the experts a step routes to
+    # (`routed_experts`); True every expert on every token (`dense_experts`, the
+    # older form, kept as a baseline for tests and benchmarks).
+    dense_experts: bool = False
+    # The dtype the experts' products round their inputs to, when the expert weights
+    # are held wider than the checkpoint's (`xla_layout.widen_experts`); None = theirs.
+    expert_dtype: str | None = None
+
+    def experts_dtype(self, lp: dict) -> jnp.dtype:
+        return jnp.dtype(self.expert_dtype or lp["e_gate"].dtype)
+
     def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
         return matmul(x, w)
 
@@ -347,20 +358,95 @@ def _mlp(cfg: ModelConfig, lp: dict, h: jax.Array, layout: Layout) -> jax.Array:
     if not cfg.is_moe:
         gate, up = layout.gate_up(lp, h)
         return layout.linear(lp, "w_down", jax.nn.silu(gate) * up)
-    # Routed experts, computed densely (every expert on every token, then
-    # weighted): exact, and fine for a reference; a grouped kernel is future work.
-    router = jax.nn.softmax(layout.matmul(h, lp["router"]), axis=-1)  # [B, N, E]
+    top_w, top_i = route(cfg, lp, h, layout)
+    experts = dense_experts if layout.dense_experts else routed_experts
+    return experts(lp, h, top_w, top_i, layout.experts_dtype(lp))
+
+
+def route(cfg: ModelConfig, lp: dict, h: jax.Array, layout: Layout = REFERENCE):
+    """Each token's experts: (weights f32[..., k], indices i32[..., k]) for h [..., D].
+
+    Qwen3-MoE routing: softmax over the router logits, the top k, renormalised to
+    sum to 1 when `norm_topk_prob`; weights rounded to the experts' dtype (as the
+    reference implementation multiplies in it)."""
+    router = jax.nn.softmax(layout.matmul(h, lp["router"]), axis=-1)  # [..., E]
     top_w, top_i = jax.lax.top_k(router, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    top_w = top_w.astype(lp["e_gate"].dtype).astype(jnp.float32)
-    weights = jnp.sum(jax.nn.one_hot(top_i, cfg.num_experts) * top_w[..., None], axis=-2)
-    hx = h.astype(lp["e_gate"].dtype)
-    gate = jnp.einsum("bnd,edf->bnef", hx, lp["e_gate"], preferred_element_type=jnp.float32)
-    up = jnp.einsum("bnd,edf->bnef", hx, lp["e_up"], preferred_element_type=jnp.float32)
-    act = (jax.nn.silu(gate) * up).astype(lp["e_down"].dtype)
-    out = jnp.einsum("bnef,efd->bned", act, lp["e_down"], preferred_element_type=jnp.float32)
-    return jnp.einsum("bne,bned->bnd", weights, out)
+    return top_w.astype(layout.experts_dtype(lp)).astype(jnp.float32), top_i
+
+
+def _expert_mlp(lp: dict, e, x: jax.Array, dtype) -> jax.Array:
+    """Expert e's SwiGLU MLP of x [m, D] (e may be traced: its weights are sliced), its
+    inputs rounded to the experts' `dtype`."""
+    w = {k: jax.lax.dynamic_index_in_dim(lp[k], e, 0, keepdims=False)
+         for k in ("e_gate", "e_up", "e_down")}  # fmt: skip
+    act = jax.nn.silu(matmul(x, w["e_gate"])) * matmul(x, w["e_up"])
+    return matmul(act.astype(dtype).astype(w["e_down"].dtype), w["e_down"])
+
+
+def dense_experts(lp: dict, h, top_w, top_i, dtype=None) -> jax.Array:
+    """Every expert on every token, then weighted: reads every expert's weights each
+    step (E / k times the products a token needs). Inputs rounded to `dtype`
+    (default: the experts')."""
+    dtype = lp["e_gate"].dtype if dtype is None else dtype
+    n_e = lp["e_gate"].shape[-3]
+    weights = jnp.sum(jax.nn.one_hot(top_i, n_e) * top_w[..., None], axis=-2)  # [..., E]
+    hx = h.astype(dtype).astype(lp["e_gate"].dtype)
+    gate = jnp.einsum("...d,edf->...ef", hx, lp["e_gate"], preferred_element_type=jnp.float32)
+    up = jnp.einsum("...d,edf->...ef", hx, lp["e_up"], preferred_element_type=jnp.float32)
+    act = (jax.nn.silu(gate) * up).astype(dtype).astype(lp["e_down"].dtype)
+    out = jnp.einsum("...ef,efd->...ed", act, lp["e_down"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...e,...ed->...d", weights, out)
+
+
+def routed_experts(lp: dict, h, top_w, top_i, dtype=None) -> jax.Array:
+    """Only the experts the tokens route to, each on only its tokens (inputs rounded to
+    `dtype`, default the experts').
+
+    The (token, expert) pairs are sorted by expert and cut into tiles of m pairs,
+    none spanning two experts; a loop over the tiles that exist (a traced count)
+    slices one expert's weights and runs its MLP on the tile's gathered rows, then
+    adds them back weighted. A step therefore reads each routed expert's weights
+    once per tile (once for a decode or verify step, whose experts see a few tokens
+    each) and computes k products per token plus the tiles' padding, where the
+    dense form reads all E experts and computes E per token. Per token the experts'
+    outputs add up in expert order, as the reference implementation's loop does.
+    """
+    shape = h.shape
+    d = shape[-1]
+    x = h.reshape(-1, d)
+    t, k = x.shape[0], top_i.shape[-1]
+    n_e = lp["e_gate"].shape[-3]
+    p = t * k
+    # Rows a tile holds: T rounded up to a power of two, at most 64. A decode or verify
+    # step's experts then take one tile each (their weights read once: what such a
+    # step costs), and a prefill's tiles are wide enough to be efficient products.
+    m = min(64, 1 << (t - 1).bit_length())
+    flat_e = top_i.reshape(p)
+    order = jnp.argsort(flat_e, stable=True)
+    tok = (jnp.arange(p, dtype=jnp.int32) // k)[order]  # the sorted pairs' tokens
+    wts = top_w.reshape(p)[order]
+    counts = jnp.zeros(n_e, jnp.int32).at[flat_e].add(1)
+    starts = jnp.cumsum(counts) - counts  # first sorted pair of each expert
+    tiles = -(-counts // m)
+    max_tiles = -(-p // m) + min(n_e, p)  # sum of ceil(c / m) over the routed experts
+    tile_e = jnp.repeat(jnp.arange(n_e, dtype=jnp.int32), tiles, total_repeat_length=max_tiles)
+    first_tile = jnp.cumsum(tiles) - tiles
+    row0 = starts[tile_e] + (jnp.arange(max_tiles, dtype=jnp.int32) - first_tile[tile_e]) * m
+    row_end = starts[tile_e] + counts[tile_e]
+    dtype = lp["e_gate"].dtype if dtype is None else dtype
+
+    def tile(j, acc):
+        idx = row0[j] + jnp.arange(m, dtype=jnp.int32)
+        valid = idx < row_end[j]
+        idx = jnp.minimum(idx, p - 1)
+        rows, w = tok[idx], jnp.where(valid, wts[idx], 0.0)
+        y = _expert_mlp(lp, tile_e[j], x[rows].astype(dtype), dtype)
+        return acc.at[rows].add(w[:, None] * y)  # padding rows add 0 to a real row
+
+    out = jax.lax.fori_loop(0, jnp.sum(tiles), tile, jnp.zeros((t, d), jnp.float32))
+    return out.reshape(shape)
 
 
 def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_cache, side,

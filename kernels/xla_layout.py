@@ -264,8 +264,9 @@ def arrange(
     backend: str | None = None,
 ) -> tuple[Params, XlaLayout]:  # fmt: skip
     """`params` (stacked, as loaded) arranged for the XLA path, and the layout that
-    reads them: per-layer weights; on CPU an untied head; fused projections if
-    `fuse`; one-row copies if `one_row` and `wants_one_row_copies`."""
+    reads them: per-layer weights; on CPU an untied head and float32 experts
+    (`widen_experts`); fused projections if `fuse`; one-row copies if `one_row` and
+    `wants_one_row_copies`."""
     backend = backend or jax.default_backend()
     dtype = params["embed"].dtype
     out = unstack_layers(params)
@@ -275,11 +276,36 @@ def arrange(
         out = fuse_projections(out)
     if one_row and wants_one_row_copies(cfg, dtype, backend):
         out = one_row_copies(out, cfg.tie_word_embeddings)
-    return out, for_backend(cfg, backend)
+    layout = for_backend(cfg, backend)
+    if backend == "cpu" and cfg.is_moe and jnp.dtype(dtype) != jnp.float32:
+        out = widen_experts(out)
+        layout = dataclasses.replace(layout, expert_dtype=jnp.dtype(dtype).name)
+    return out, layout
+
+
+EXPERT_KEYS = ("e_gate", "e_up", "e_down")
+
+
+def widen_experts(params: Params) -> Params:
+    """Per-layer params (`unstack_layers`) with 16-bit expert weights held as float32.
+
+    XLA CPU runs a 16-bit product as a float32 one; inside the routed experts' loop
+    (`transformer.routed_experts`) it would widen every expert's weights once per
+    step, outside the loop, which costs what the dense form did. Held wide, a step
+    reads only its routed experts. The layout rounds the products' inputs to the
+    checkpoint's dtype (`Layout.expert_dtype`), so the sums are those of the 16-bit
+    weights: twice the experts' memory, the same numbers."""
+    layers = params["layers"]
+    if not isinstance(layers, (tuple, list)):
+        raise ValueError("widen_experts needs per-layer params (unstack_layers)")
+    wide = tuple({**lp, **{k: lp[k].astype(jnp.float32) for k in EXPERT_KEYS if k in lp}}
+                 for lp in layers)  # fmt: skip
+    return {**params, "layers": wide}
 
 
 __all__ = [
-    "ONE_ROW_KEYS", "ONE_ROW_MAX_BYTES", "PER_HEAD_MAX", "XlaLayout", "arrange",
+    "EXPERT_KEYS", "ONE_ROW_KEYS", "ONE_ROW_MAX_BYTES", "PER_HEAD_MAX", "XlaLayout", "arrange",
     "attention_per_kv_head", "cache_dtype", "for_backend", "fuse_projections",
     "one_row_copies", "one_row_copy_bytes", "untie_head", "wants_one_row_copies",
+    "widen_experts",
 ]  # fmt: skip

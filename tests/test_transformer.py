@@ -348,3 +348,50 @@ def test_fused_projections_give_the_same_logits(cfg):
     )  # fmt: skip
     with pytest.raises(ValueError, match="per-layer params"):
         fuse_projections(T.init_params(cfg, jax.random.key(3)))
+
+
+@pytest.mark.parametrize(
+    "t,n_e,k,skew",
+    [(1, 8, 2, False), (17, 32, 2, False), (100, 8, 3, False), (5, 4, 4, False), (100, 6, 2, True)],
+)
+def test_routed_experts_equal_the_dense_form(t, n_e, k, skew):
+    """Only the routed experts, tile by tile, give what every expert on every token
+    weighted does: decode / verify / prefill sizes, every expert taken (k = E), and
+    one expert taking every token (its pairs span two tiles)."""
+    rng = np.random.default_rng(t + n_e)
+    d, f = 16, 24
+    lp = {name: jnp.asarray(rng.normal(size=shape) * 0.3, jnp.float32)
+          for name, shape in (("e_gate", (n_e, d, f)), ("e_up", (n_e, d, f)),
+                              ("e_down", (n_e, f, d)))}  # fmt: skip
+    h = jnp.asarray(rng.normal(size=(1, t, d)), jnp.float32)
+    logits = rng.normal(size=(1, t, n_e))
+    if skew:
+        logits[..., 0] += 100.0
+    top_w, top_i = jax.lax.top_k(jax.nn.softmax(jnp.asarray(logits, jnp.float32)), k)
+    want = T.dense_experts(lp, h, top_w, top_i)
+    got = jax.jit(T.routed_experts)(lp, h, top_w, top_i)
+    assert got.shape == want.shape == (1, t, d)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_experts_widened_on_cpu_give_the_reference_logits():
+    """On CPU a bfloat16 MoE's experts are held as float32 (else XLA widens every
+    expert each step) with their products' inputs rounded to bfloat16: the forward
+    then gives the logits of the bfloat16 weights as they are."""
+    from specdec.kernels import xla_layout
+
+    cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2,
+                      num_heads=2, num_kv_heads=2, head_dim=8, architecture=Architecture.QWEN3_MOE,
+                      num_experts=6, num_experts_per_tok=2, moe_intermediate_size=8,
+                      norm_topk_prob=True)  # fmt: skip
+    params = T.init_params(cfg, jax.random.key(5), jnp.bfloat16)
+    arranged, layout = xla_layout.arrange(cfg, params, backend="cpu")
+    assert layout.expert_dtype == "bfloat16" and not layout.dense_experts
+    assert all(lp["e_gate"].dtype == jnp.float32 for lp in arranged["layers"])
+    assert arranged["layers"][0]["wq"].dtype == jnp.bfloat16
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
+    lengths = jnp.asarray([11, 7], jnp.int32)
+    want = T.prefill_logits(params, cfg, tokens, lengths)
+    got = T.prefill_logits(arranged, cfg, tokens, lengths, layout)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
