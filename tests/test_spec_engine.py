@@ -433,6 +433,7 @@ def test_repetition_penalty_greedy_equals_ar(
     assert got != reference[:12]  # the penalty changed outputs: this test can fail
 
 
+@pytest.mark.slow  # CI only: the quick subset's penalty coverage is test_sampling's
 def test_repetition_penalty_seeded_determinism(target_dir, unrelated_dir, prompts):
     llm = spec_llm(target_dir, unrelated_dir, **SHAPES["model_tree"])
     p = SamplingParams(temperature=0.8, max_tokens=16, seed=5, repetition_penalty=1.3)
