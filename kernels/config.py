@@ -76,6 +76,14 @@ class ModelConfig:
     num_experts_per_tok: int = 0  # routed experts per token (top-k)
     moe_intermediate_size: int = 0  # width of each expert's MLP
     norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
+    # DeepSeek-V3 routing (`transformer.route`): sigmoid scores, a per-expert
+    # correction bias that steers the choice only, experts picked within the
+    # `topk_group` best of `n_group` groups, weights scaled by `routed_scaling_factor`.
+    scoring_func: Literal["softmax", "sigmoid"] = "softmax"
+    expert_bias: bool = False  # layers/e_bias [L, E]: the choice's correction bias
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         for name in (
@@ -109,6 +117,24 @@ class ModelConfig:
                 raise ValueError(
                     f"moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}."
                 )
+            if self.scoring_func not in ("softmax", "sigmoid"):
+                raise ValueError(
+                    f"scoring_func must be 'softmax' or 'sigmoid', got {self.scoring_func!r}."
+                )
+            groups, per = self.n_group, self.num_experts // max(self.n_group, 1)
+            if groups < 1 or self.num_experts % groups:
+                raise ValueError(
+                    f"n_group ({groups}) must be >= 1 and divide num_experts ({self.num_experts})."
+                )
+            if not 1 <= self.topk_group <= groups:
+                raise ValueError(f"topk_group must be in [1, n_group={groups}], got "
+                                 f"{self.topk_group}.")  # fmt: skip
+            if groups > 1 and (per < 2 or self.num_experts_per_tok > self.topk_group * per):
+                raise ValueError(
+                    f"group-limited routing needs >= 2 experts per group and "
+                    f"num_experts_per_tok <= topk_group x experts per group "
+                    f"({self.topk_group} x {per}), got {self.num_experts_per_tok}."
+                )
 
     @property
     def is_moe(self) -> bool:
@@ -128,6 +154,7 @@ class ModelConfig:
             attn += 2 * hd
         if self.is_moe:
             mlp = d * self.num_experts + self.num_experts * 3 * d * self.moe_intermediate_size
+            mlp += self.num_experts if self.expert_bias else 0
         else:
             mlp = 3 * d * self.intermediate_size
         per_layer = attn + mlp + 2 * d

@@ -187,6 +187,8 @@ def param_shapes(cfg: ModelConfig) -> dict:
             "e_up": (L, e, d, fe),
             "e_down": (L, e, fe, d),
         }
+        if cfg.expert_bias:
+            layers["e_bias"] = (L, e)
     else:
         f = cfg.intermediate_size
         layers |= {"w_gate": (L, d, f), "w_up": (L, d, f), "w_down": (L, f, d)}
@@ -208,7 +210,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
         name = path[-1].key
         if name.endswith("norm"):
             leaves.append(jnp.ones(shape, dtype))
-        elif name in ("bq", "bk", "bv"):
+        elif name in ("bq", "bk", "bv", "e_bias"):
             leaves.append(jnp.zeros(shape, dtype))
         else:
             leaves.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
@@ -366,13 +368,32 @@ def _mlp(cfg: ModelConfig, lp: dict, h: jax.Array, layout: Layout) -> jax.Array:
 def route(cfg: ModelConfig, lp: dict, h: jax.Array, layout: Layout = REFERENCE):
     """Each token's experts: (weights f32[..., k], indices i32[..., k]) for h [..., D].
 
-    Qwen3-MoE routing: softmax over the router logits, the top k, renormalised to
-    sum to 1 when `norm_topk_prob`; weights rounded to the experts' dtype (as the
-    reference implementation multiplies in it)."""
-    router = jax.nn.softmax(layout.matmul(h, lp["router"]), axis=-1)  # [..., E]
-    top_w, top_i = jax.lax.top_k(router, cfg.num_experts_per_tok)
+    Qwen3-MoE (`scoring_func="softmax"`): softmax over the router logits, the top k.
+    DeepSeek-V3 (`"sigmoid"`): sigmoid scores; the choice adds the correction bias
+    (`e_bias`) and, with `n_group` > 1, keeps the experts of the `topk_group` groups
+    whose two best biased scores sum highest; the weights are the chosen experts'
+    unbiased scores. Then renormalised to sum to 1 when `norm_topk_prob`, scaled by
+    `routed_scaling_factor`, and rounded to the experts' dtype (the reference
+    implementations multiply in it)."""
+    k = cfg.num_experts_per_tok
+    logits = layout.matmul(h, lp["router"])  # f32[..., E]
+    if cfg.scoring_func == "softmax":
+        top_w, top_i = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    else:
+        scores = jax.nn.sigmoid(logits)
+        choice = scores + lp["e_bias"].astype(jnp.float32) if "e_bias" in lp else scores
+        if cfg.n_group > 1:
+            grouped = choice.reshape(*choice.shape[:-1], cfg.n_group, -1)
+            group_score = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)  # [..., n_group]
+            _, best = jax.lax.top_k(group_score, cfg.topk_group)
+            keep = jnp.any(jax.nn.one_hot(best, cfg.n_group, dtype=bool), axis=-2)
+            choice = jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
+        _, top_i = jax.lax.top_k(choice, k)
+        top_w = jnp.take_along_axis(scores, top_i, axis=-1)
     if cfg.norm_topk_prob:
-        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+        denom = jnp.sum(top_w, axis=-1, keepdims=True)
+        top_w = top_w / (denom + 1e-20 if cfg.scoring_func == "sigmoid" else denom)
+    top_w = top_w * cfg.routed_scaling_factor
     return top_w.astype(layout.experts_dtype(lp)).astype(jnp.float32), top_i
 
 

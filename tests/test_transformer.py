@@ -398,3 +398,59 @@ def test_bfloat16_experts_widened_on_cpu_give_the_reference_logits():
     want = T.prefill_logits(params, cfg, tokens, lengths)
     got = T.prefill_logits(arranged, cfg, tokens, lengths, layout)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "n_group,topk_group,norm", [(4, 2, True), pytest.param(1, 1, False, marks=pytest.mark.slow)]
+)
+def test_deepseek_v3_routing_matches_transformers(n_group, topk_group, norm):
+    """Sigmoid scores, the correction bias steering the choice only, group-limited
+    top-k and the scaling factor: the same experts and weights as transformers'
+    DeepseekV3TopkRouter, token by token."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    d, n_e, k = 32, 16, 4
+    hf_cfg = transformers.DeepseekV3Config(
+        hidden_size=d, n_routed_experts=n_e, num_experts_per_tok=k, n_group=n_group,
+        topk_group=topk_group, norm_topk_prob=norm, routed_scaling_factor=2.5,
+    )  # fmt: skip
+    router = hf.DeepseekV3TopkRouter(hf_cfg)
+    rng = np.random.default_rng(n_group)
+    weight = rng.normal(size=(n_e, d)).astype(np.float32)
+    bias = rng.normal(size=n_e).astype(np.float32) * 0.5
+    with torch.no_grad():
+        router.weight.copy_(torch.from_numpy(weight))
+        router.e_score_correction_bias.copy_(torch.from_numpy(bias))
+    h = rng.normal(size=(9, d)).astype(np.float32)
+    with torch.no_grad():
+        _, want_w, want_i = router(torch.from_numpy(h))
+    cfg = ModelConfig(vocab_size=8, hidden_size=d, intermediate_size=8, num_layers=1,
+                      num_heads=2, num_kv_heads=2, head_dim=8, num_experts=n_e,
+                      num_experts_per_tok=k, moe_intermediate_size=8, norm_topk_prob=norm,
+                      scoring_func="sigmoid", expert_bias=True, n_group=n_group,
+                      topk_group=topk_group, routed_scaling_factor=2.5)  # fmt: skip
+    lp = {"router": jnp.asarray(weight.T), "e_bias": jnp.asarray(bias),
+          "e_gate": jnp.zeros((n_e, d, 8))}  # fmt: skip
+    got_w, got_i = T.route(cfg, lp, jnp.asarray(h))
+    want_i, want_w = want_i.numpy(), want_w.numpy()
+    for t in range(h.shape[0]):  # transformers picks unsorted: compare as sets
+        assert set(np.asarray(got_i[t]).tolist()) == set(want_i[t].tolist()), t
+        order_g, order_w = np.argsort(np.asarray(got_i[t])), np.argsort(want_i[t])
+        np.testing.assert_allclose(np.asarray(got_w[t])[order_g], want_w[t][order_w], rtol=1e-5,
+                                   atol=1e-6)  # fmt: skip
+
+
+def test_routing_config_is_checked():
+    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
+                num_kv_heads=2, head_dim=4, num_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=4)  # fmt: skip
+    for bad, why in (
+        ({"n_group": 3}, "divide num_experts"),
+        ({"topk_group": 2}, "topk_group"),
+        ({"scoring_func": "relu"}, "scoring_func"),
+        ({"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}, "group-limited"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            ModelConfig(**(base | bad))
