@@ -556,11 +556,8 @@ def _hidden_block(
         cache_mask = cache_mask & (positions[:, :, None] - t[None, None, :] < cfg.sliding_window)
     # Zero the unused slots so NaN (or stale) data there cannot leak through 0 * NaN.
     keep = cache_valid[:, None, :, None]
-    if isinstance(cache, PagedKVCache):
-        # The rows' blocks, resolved once: left to XLA, each layer's gathers would
-        # recompute them per element. Padding rows (slot -1) read the null block.
-        nb = -(-kv_len // cache.block_size)
-        rows = jax.lax.optimization_barrier(_row_tables(cache.table, slots, nb))
+    if isinstance(cache, PagedKVCache):  # the rows' first blocks; padding rows read block 0
+        rows = _row_tables(cache.table, slots, -(-kv_len // cache.block_size))
     else:
         rows = jnp.clip(slots, 0, cache.num_slots - 1)
 
