@@ -1,4 +1,4 @@
-"""Host-side bookkeeping of a paged KV cache (`transformer.PagedKVCache`): which
+"""Host-side bookkeeping of a paged KV cache (`paged.PagedKVCache`): which
 blocks each sequence slot holds, and how many blocks a memory budget buys.
 
 A slot takes blocks as its sequence grows (`BlockAllocator.ensure`) and gives

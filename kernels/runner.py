@@ -7,7 +7,7 @@ model drafter each hold one. It also owns the forward's layout (`xla_layout`):
 every forward it runs, and every forward its owner runs on its params, passes
 `runner.layout` explicitly.
 
-The cache is paged (`transformer.PagedKVCache`, `blocks.BlockAllocator`) on the
+The cache is paged (`paged.PagedKVCache`, `blocks.BlockAllocator`) on the
 XLA path: a slot holds the blocks its positions need (`ensure`), so memory goes
 to the tokens the running requests hold, not to `num_slots x max_len`. The
 megakernel's runner (`stacked`) keeps one contiguous row per slot
@@ -27,10 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec.kernels import transformer, xla_layout
+from specdec.kernels import paged, transformer, xla_layout
 from specdec.kernels.blocks import BLOCK_SIZE, BlockAllocator, num_blocks_for
 from specdec.kernels.config import ModelConfig
-from specdec.kernels.transformer import KVCache, Layout, PagedKVCache, Params
+from specdec.kernels.paged import PagedKVCache
+from specdec.kernels.transformer import KVCache, Layout, Params
 
 # A row's planned length (prompt + max_tokens + one tree) counts toward the cache
 # positions a call reads, up to this many: a request then runs one compiled
@@ -121,7 +122,7 @@ class ModelRunner:
         blocks = self.blocks.table[slot, : self.blocks.blocks_for(length)]
 
         def read(a):
-            g = np.asarray(transformer.from_stored(a[:, :, blocks]), np.float32)  # L, K, nb, bs, hd
+            g = np.asarray(paged.from_stored(a[:, :, blocks]), np.float32)  # L, K, nb, bs, hd
             n_l, k, nb, bs, hd = g.shape
             return g.reshape(n_l, k, nb * bs, hd)[:, :, :length]
 

@@ -45,7 +45,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from specdec.kernels.config import ModelConfig
-from specdec.kernels.transformer import KVCache, PagedKVCache, Params
+from specdec.kernels.paged import PagedKVCache
+from specdec.kernels.transformer import KVCache, Params
 
 AXIS = "tp"
 

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec.kernels.config import ModelConfig
+from specdec.kernels.paged import PagedKVCache, from_stored, paged_rows, put_paged, row_tables
 
 Params = dict
 
@@ -83,76 +84,6 @@ class KVCache:
     def create(cls, cfg: ModelConfig, num_slots: int, max_len: int, dtype=jnp.float32):
         shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PagedKVCache:
-    """Per-layer K/V in fixed-size blocks, a block table mapping each slot's positions
-    to blocks (vLLM's paged layout).
-
-    k: jax.Array  # [L, K, num_blocks, block_size, hd]
-    v: jax.Array  # [L, K, num_blocks, block_size, hd]
-    table: jax.Array  # i32[slots, max_blocks]: position p of slot s lives at block
-                      # table[s, p // block_size], row p % block_size
-
-    Block 0 is the null block: every table entry a slot has not been given points
-    there, so a write past a row's blocks (a padded prefill chunk, a padding row,
-    tree nodes beyond the committed length) lands in it and is never read as
-    valid data (attention masks it). The host owns the table
-    (`runner.BlockAllocator`); a call reads only the blocks under its rows'
-    `kv_len` positions, so a step costs what its rows hold, not what the pool holds.
-
-    K/V heads come before blocks so that one K/V head's blocks gather straight into
-    the [rows, positions, hd] operand its attention products read (`Layout.cache_rows`):
-    with heads inside a block, a per-head read is a second, strided copy.
-    """
-
-    k: jax.Array
-    v: jax.Array
-    table: jax.Array
-
-    @property
-    def num_slots(self) -> int:
-        return self.table.shape[0]
-
-    @property
-    def block_size(self) -> int:
-        return self.k.shape[3]
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def max_len(self) -> int:
-        return self.table.shape[1] * self.block_size
-
-    @classmethod
-    def create(cls, cfg: ModelConfig, num_slots: int, max_len: int, *, block_size: int,
-               num_blocks: int, dtype=jnp.float32):  # fmt: skip
-        if max_len % block_size:
-            raise ValueError(
-                f"max_len ({max_len}) must be a multiple of block_size ({block_size})."
-            )
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-        table = jnp.zeros((num_slots, max_len // block_size), jnp.int32)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), table=table)
-
-
-def to_stored(x: jax.Array, dtype) -> jax.Array:
-    """K/V values as a cache of `dtype` stores them: uint16 holds bfloat16 bits
-    (`xla_layout.cache_dtype`: XLA CPU updates a uint16 buffer in place)."""
-    if jnp.dtype(dtype) == jnp.uint16:
-        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-    return x.astype(dtype)
-
-
-def from_stored(x: jax.Array) -> jax.Array:
-    """Cache contents as K/V values (`to_stored`'s inverse; bfloat16 for uint16)."""
-    if x.dtype == jnp.uint16:
-        return jax.lax.bitcast_convert_type(x, jnp.bfloat16)
-    return x
 
 
 def token_bytes(cfg: ModelConfig, dtype) -> int:
@@ -557,7 +488,7 @@ def _hidden_block(
     # Zero the unused slots so NaN (or stale) data there cannot leak through 0 * NaN.
     keep = cache_valid[:, None, :, None]
     if isinstance(cache, PagedKVCache):  # the rows' first blocks; padding rows read block 0
-        rows = _row_tables(cache.table, slots, -(-kv_len // cache.block_size))
+        rows = row_tables(cache.table, slots, -(-kv_len // cache.block_size))
     else:
         rows = jnp.clip(slots, 0, cache.num_slots - 1)
 
@@ -579,7 +510,7 @@ def _cache_rows(
 ) -> jax.Array:
     """Cache rows [B, K, kv_len, hd] of layer `layer`, or with `head` just that K/V
     head's [B, kv_len, hd]. `rows` are the rows' slots i32[B] in a slot cache
-    [L, S, K, T, hd], or their first blocks i32[B, nb] in a paged pool (`_paged_rows`).
+    [L, S, K, T, hd], or their first blocks i32[B, nb] in a paged pool (`paged.paged_rows`).
     Zero where bool `keep` (broadcast against the result) is false, applied to the
     stored bits (a bfloat16 select on XLA CPU goes through float32).
 
@@ -588,7 +519,7 @@ def _cache_rows(
     on XLA CPU) would copy the cache twice.
     """
     if rows.ndim == 2:
-        out = _paged_rows(arr, layer, rows, kv_len, head)
+        out = paged_rows(arr, layer, rows, kv_len, head)
     else:
         _, _, k, _, hd = arr.shape
         at, size = (0, k) if head is None else (head, 1)
@@ -600,49 +531,6 @@ def _cache_rows(
     if keep is not None:
         out = jnp.where(keep, out, jnp.zeros((), out.dtype))
     return from_stored(out)
-
-
-def _row_tables(table: jax.Array, slots: jax.Array, nb: int) -> jax.Array:
-    """i32[B, nb]: the first nb blocks of each row's slot; padding rows (slot -1)
-    read the null block."""
-    safe = jnp.clip(slots, 0, table.shape[0] - 1)
-    return jnp.where(slots[:, None] >= 0, table[safe, :nb], 0)
-
-
-def _paged_rows(arr, layer, blocks, kv_len, head: int | None = None) -> jax.Array:
-    """A paged pool [L, K, NB, bs, hd] read as [B, K, kv_len, hd], or with `head` one
-    K/V head's [B, kv_len, hd], given each row's first blocks i32[B, nb] (one gather
-    of whole blocks, so it moves what a contiguous slice would; a head's gather is
-    already in the layout its products read)."""
-    _, k, _, bs, hd = arr.shape
-    b, nb = blocks.shape
-    at, size = (0, k) if head is None else (head, 1)
-    part = jax.lax.dynamic_slice(arr, (layer, at, 0, 0, 0), (1, size, *arr.shape[2:]))[0]
-    if head is not None:  # [B, nb, bs, hd] -> [B, nb * bs, hd]
-        got = part[0].at[blocks].get(mode="promise_in_bounds")
-        return got.reshape(b, nb * bs, hd)[:, :kv_len]
-    g = part.at[:, blocks].get(mode="promise_in_bounds")  # [K, B, nb, bs, hd]
-    return g.transpose(1, 0, 2, 3, 4).reshape(b, k, nb * bs, hd)[:, :, :kv_len]
-
-
-def _put_paged(cache: PagedKVCache, k_rows, v_rows, slots, starts) -> PagedKVCache:
-    """`_put_rows` for a paged cache: one scatter of every row's n tokens to
-    (table[slot, pos // bs], pos % bs). Padding rows and positions past a row's
-    blocks write the null block. In place when the cache is donated."""
-    b, n_l, k, n, hd = k_rows.shape
-    bs = cache.block_size
-    pos = starts[:, None] + jnp.arange(n, dtype=jnp.int32)[None]  # [B, n]
-    mb = cache.table.shape[1]
-    blocks = _row_tables(cache.table, slots, mb)  # [B, MB]
-    idx = jnp.clip(pos // bs, 0, mb - 1)
-    blk = jnp.where(pos // bs < mb, jnp.take_along_axis(blocks, idx, axis=1), 0).reshape(-1)
-    off = (pos % bs).reshape(-1)
-
-    def put(pool, rows):  # rows [B, L, K, n, hd] -> values [L, K, B * n, hd]
-        vals = rows.transpose(1, 2, 0, 3, 4).reshape(n_l, k, b * n, hd)
-        return pool.at[:, :, blk, off].set(to_stored(vals, pool.dtype), mode="promise_in_bounds")
-
-    return dataclasses.replace(cache, k=put(cache.k, k_rows), v=put(cache.v, v_rows))
 
 
 def unstack_layers(params: Params) -> Params:
@@ -679,7 +567,7 @@ def _put_rows(cache: KVCache, k_rows, v_rows, slots, starts) -> KVCache:
         return put(k, k_rows[b]), put(v, v_rows[b])
 
     if isinstance(cache, PagedKVCache):
-        return _put_paged(cache, k_rows, v_rows, slots, starts)
+        return put_paged(cache, k_rows, v_rows, slots, starts)
     kv = (cache.k, cache.v)
     for b in range(slots.shape[0]):  # unrolled: a while loop would copy the cache (XLA CPU)
         kv = row(b, kv)

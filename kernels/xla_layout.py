@@ -183,7 +183,7 @@ def cache_dtype(weight_dtype, backend: str | None = None, paged: bool = True) ->
     XLA CPU cannot update a bfloat16 buffer in place: it widens the whole buffer
     to float32 and back, so writing one step's K/V would copy all of it; a uint16
     buffer it updates in place. So on CPU a paged cache of 16-bit weights stores the
-    bfloat16 bits as uint16 (`transformer.to_stored` / `from_stored`: half the bytes of
+    bfloat16 bits as uint16 (`paged.to_stored` / `from_stored`: half the bytes of
     float32 to hold and to read every step) and a slot cache (the megakernel's) float32.
     """
     wdt = jnp.dtype(weight_dtype)
