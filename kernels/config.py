@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Literal
 
 
@@ -21,39 +22,80 @@ class Architecture(enum.StrEnum):
     QWEN2 = "Qwen2ForCausalLM"
     QWEN3 = "Qwen3ForCausalLM"
     QWEN3_MOE = "Qwen3MoeForCausalLM"
+    DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling (`rope_scaling.rope_type == "llama3"`)."""
+    """RoPE frequency scaling: Llama-3's (`rope_type="llama3"`: factor, low / high
+    frequency factors) or YaRN (`"yarn"`, DeepSeek-V3: factor, beta_fast / beta_slow,
+    mscale / mscale_all_dim or an explicit attention_factor, truncate).
+    `original_max_position_embeddings` is the pretraining context of both."""
 
-    rope_type: Literal["llama3"] = "llama3"
+    rope_type: Literal["llama3", "yarn"] = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0  # 0 = unset
+    mscale_all_dim: float = 0.0  # 0 = unset
+    attention_factor: float | None = None  # None = from factor and the two mscales
+    truncate: bool = True
 
     def __post_init__(self):
-        if self.rope_type != "llama3":
-            raise ValueError(f"rope_type must be 'llama3', got {self.rope_type!r}.")
-        if self.factor <= 0 or self.low_freq_factor <= 0:
+        if self.rope_type not in ("llama3", "yarn"):
+            raise ValueError(f"rope_type must be 'llama3' or 'yarn', got {self.rope_type!r}.")
+        if self.factor <= 0 or self.original_max_position_embeddings < 1:
             raise ValueError(
-                f"rope_scaling factor and low_freq_factor must be > 0, got "
-                f"{self.factor} and {self.low_freq_factor}."
+                f"rope_scaling factor and original_max_position_embeddings must be > 0, "
+                f"got {self.factor} and {self.original_max_position_embeddings}."
             )
-        if self.high_freq_factor <= self.low_freq_factor:
+        if self.rope_type == "llama3":
+            if self.low_freq_factor <= 0:
+                raise ValueError(
+                    f"rope_scaling low_freq_factor must be > 0, got {self.low_freq_factor}."
+                )
+            if self.high_freq_factor <= self.low_freq_factor:
+                raise ValueError(
+                    f"rope_scaling high_freq_factor ({self.high_freq_factor}) must exceed "
+                    f"low_freq_factor ({self.low_freq_factor})."
+                )
+        elif self.beta_fast <= 0 or self.beta_slow <= 0:
             raise ValueError(
-                f"rope_scaling high_freq_factor ({self.high_freq_factor}) must exceed "
-                f"low_freq_factor ({self.low_freq_factor})."
+                f"yarn beta_fast and beta_slow must be > 0, got {self.beta_fast} and "
+                f"{self.beta_slow}."
             )
+
+    def yarn_attention_factor(self) -> float:
+        """YaRN's factor on the rotated dims (transformers multiplies cos and sin by it)."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return yarn_mscale(self.factor)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction, 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE).
+    """Shape of a decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE /
+    DeepSeek-V3).
 
     Example (a tiny Llama): vocab_size=256, hidden_size=64, intermediate_size=128,
     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16.
+
+    Multi-head latent attention (MLA, DeepSeek-V2/V3) is on when `kv_lora_rank` > 0.
+    Its K/V are one latent per token, so `num_kv_heads` is 1 (every query head reads
+    it: the absorbed form is multi-query attention) and `head_dim` is the rotary
+    width, `qk_rope_head_dim` (as transformers sets it).
     """
 
     vocab_size: int  # rows of the embedding table
@@ -84,6 +126,13 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0  # an always-on MLP of n x moe_intermediate_size in MoE layers
+    first_k_dense_replace: int = 0  # the first k layers keep a dense MLP (DeepSeek-V3)
+    # Multi-head latent attention (class docstring); 0 = ordinary attention.
+    kv_lora_rank: int = 0  # width of the compressed K/V latent the cache holds
+    q_lora_rank: int = 0  # 0 = queries projected directly (no low-rank query path)
+    qk_nope_head_dim: int = 0  # per-head query/key width without RoPE
+    v_head_dim: int = 0  # per-head value width
 
     def __post_init__(self):
         for name in (
@@ -107,6 +156,26 @@ class ModelConfig:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}.")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")
+        if self.kv_lora_rank:
+            if self.num_kv_heads != 1:
+                raise ValueError(
+                    f"multi-head latent attention (kv_lora_rank > 0) reads one latent per "
+                    f"token: num_kv_heads must be 1, got {self.num_kv_heads}."
+                )
+            for name in ("qk_nope_head_dim", "v_head_dim"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"{name} must be >= 1 with kv_lora_rank > 0.")
+            if self.attention_bias or self.qk_norm:
+                raise ValueError("attention_bias and qk_norm are not supported with MLA.")
+            if self.q_lora_rank < 0:
+                raise ValueError(f"q_lora_rank must be >= 0, got {self.q_lora_rank}.")
+        if not 0 <= self.first_k_dense_replace <= self.num_layers:
+            raise ValueError(
+                f"first_k_dense_replace must be in [0, num_layers={self.num_layers}], got "
+                f"{self.first_k_dense_replace}."
+            )
+        if self.n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}.")
         if self.num_experts:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(
@@ -144,19 +213,83 @@ class ModelConfig:
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether layer i has routed experts (not one of the first dense layers)."""
+        return self.is_moe and i >= self.first_k_dense_replace
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Every layer has the same weights' shapes (so they can be stacked [L, ...])."""
+        return not self.is_moe or self.first_k_dense_replace == 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of one query head's scores: nope + rope under MLA, else head_dim."""
+        return self.qk_nope_head_dim + self.head_dim if self.is_mla else self.head_dim
+
+    @property
+    def cache_dims(self) -> tuple[int, int]:
+        """Widths of one cached K and V entry per K/V head. MLA caches the latent and
+        the rotary key as one "K" entry (the values are its first kv_lora_rank
+        entries), so its V is empty."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.head_dim, 0
+        return self.head_dim, self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """The factor on attention scores: 1 / sqrt(qk_head_dim), and under YaRN with
+        `mscale_all_dim` its square (DeepSeek's softmax scale)."""
+        scale = self.qk_head_dim**-0.5
+        rs = self.rope_scaling
+        if rs is not None and rs.rope_type == "yarn" and rs.mscale_all_dim:
+            scale *= yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2
+        return scale
+
+    def layer_shapes(self, i: int) -> dict:
+        """Shape of each of layer i's parameters (no L axis; names and layout:
+        `kernels/transformer.py`)."""
+        d, hd, h = self.hidden_size, self.head_dim, self.num_heads
+        layers = {"attn_norm": (d,), "mlp_norm": (d,)}
+        if self.is_mla:
+            c, nope, vd = self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim
+            qd = h * (nope + hd)
+            if self.q_lora_rank:
+                r = self.q_lora_rank
+                layers |= {"wq_a": (d, r), "q_a_norm": (r,), "wq_b": (r, qd)}
+            else:
+                layers["wq"] = (d, qd)
+            layers |= {"wkv_a": (d, c + hd), "kv_a_norm": (c,), "w_uk": (h, c, nope),
+                       "w_uv": (h, c, vd), "wo": (h * vd, d)}  # fmt: skip
+        else:
+            qd, kvd = h * hd, self.num_kv_heads * hd
+            layers |= {"wq": (d, qd), "wk": (d, kvd), "wv": (d, kvd), "wo": (qd, d)}
+            if self.attention_bias:
+                layers |= {"bq": (qd,), "bk": (kvd,), "bv": (kvd,)}
+            if self.qk_norm:
+                layers |= {"q_norm": (hd,), "k_norm": (hd,)}
+        if self.moe_layer(i):
+            e, fe = self.num_experts, self.moe_intermediate_size
+            layers |= {"router": (d, e), "e_gate": (e, d, fe), "e_up": (e, d, fe),
+                       "e_down": (e, fe, d)}  # fmt: skip
+            if self.expert_bias:
+                layers["e_bias"] = (e,)
+            if self.n_shared_experts:
+                fs = fe * self.n_shared_experts
+                layers |= {"s_gate": (d, fs), "s_up": (d, fs), "s_down": (fs, d)}
+        else:
+            f = self.intermediate_size
+            layers |= {"w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+        return layers
+
     def num_params(self) -> int:
         """Parameter count, embeddings and LM head included (tied counted once)."""
-        d, hd = self.hidden_size, self.head_dim
-        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
-        if self.attention_bias:
-            attn += hd * (self.num_heads + 2 * self.num_kv_heads)
-        if self.qk_norm:
-            attn += 2 * hd
-        if self.is_moe:
-            mlp = d * self.num_experts + self.num_experts * 3 * d * self.moe_intermediate_size
-            mlp += self.num_experts if self.expert_bias else 0
-        else:
-            mlp = 3 * d * self.intermediate_size
-        per_layer = attn + mlp + 2 * d
-        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + d
+        d = self.hidden_size
+        n = self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
+        return n + sum(
+            math.prod(s) for i in range(self.num_layers) for s in self.layer_shapes(i).values()
+        )

@@ -66,9 +66,11 @@ class PagedKVCache:
             raise ValueError(
                 f"max_len ({max_len}) must be a multiple of block_size ({block_size})."
             )
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size)
+        kd, vd = cfg.cache_dims  # MLA: its latent in k, an empty v
         table = jnp.zeros((num_slots, max_len // block_size), jnp.int32)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), table=table)
+        return cls(k=jnp.zeros((*shape, kd), dtype), v=jnp.zeros((*shape, vd), dtype),
+                   table=table)  # fmt: skip
 
 
 def to_stored(x: jax.Array, dtype) -> jax.Array:
@@ -113,7 +115,7 @@ def put_paged(cache: PagedKVCache, k_rows, v_rows, slots, starts) -> PagedKVCach
     """`_put_rows` for a paged cache: one scatter of every row's n tokens to
     (table[slot, pos // bs], pos % bs). Padding rows and positions past a row's
     blocks write the null block. In place when the cache is donated."""
-    b, n_l, k, n, hd = k_rows.shape
+    b, n_l, k, n, _ = k_rows.shape
     bs = cache.block_size
     pos = starts[:, None] + jnp.arange(n, dtype=jnp.int32)[None]  # [B, n]
     mb = cache.table.shape[1]
@@ -123,7 +125,9 @@ def put_paged(cache: PagedKVCache, k_rows, v_rows, slots, starts) -> PagedKVCach
     off = (pos % bs).reshape(-1)
 
     def put(pool, rows):  # rows [B, L, K, n, hd] -> values [L, K, B * n, hd]
-        vals = rows.transpose(1, 2, 0, 3, 4).reshape(n_l, k, b * n, hd)
+        if pool.shape[-1] == 0:  # MLA's empty V
+            return pool
+        vals = rows.transpose(1, 2, 0, 3, 4).reshape(n_l, k, b * n, rows.shape[-1])
         return pool.at[:, :, blk, off].set(to_stored(vals, pool.dtype), mode="promise_in_bounds")
 
     return dataclasses.replace(cache, k=put(cache.k, k_rows), v=put(cache.v, v_rows))

@@ -63,6 +63,9 @@ RULES: dict[str, tuple[int, Dim]] = {
     "wv": (-1, "kv_heads"),
     "bv": (-1, "kv_heads"),
     "wo": (-2, "heads"),
+    "wq_b": (-1, "heads"),  # MLA: per-head query columns, up-projections [H, c, ...]
+    "w_uk": (-3, "heads"),
+    "w_uv": (-3, "heads"),
     "w_gate": (-1, "ffn"),
     "w_up": (-1, "ffn"),
     "w_down": (-2, "ffn"),

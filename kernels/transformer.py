@@ -30,6 +30,16 @@ Params are a dict pytree with per-layer weights stacked on a leading L axis
     layers/q_norm, k_norm [L, hd]                           (qk_norm)
     layers/w_gate, w_up [L, D, F]   w_down [L, F, D]        (dense MLP)
     layers/router [L, D, E]   e_gate, e_up [L, E, D, Fe]   e_down [L, E, Fe, D]  (MoE)
+    layers/e_bias [L, E]  (the routing's correction bias)
+    layers/s_gate, s_up [L, D, Fs]   s_down [L, Fs, D]   (shared experts, Fs = n x Fe)
+  multi-head latent attention (`ModelConfig.is_mla`; c = kv_lora_rank, r = rope width):
+    layers/wq [L, D, H*(nope+r)], or wq_a [L, D, q_lora] + q_a_norm [L, q_lora] +
+      wq_b [L, q_lora, H*(nope+r)]
+    layers/wkv_a [L, D, c+r]   kv_a_norm [L, c]   w_uk [L, H, c, nope]   w_uv [L, H, c, v]
+    layers/wo [L, H*v, D]
+
+A model whose layers differ (DeepSeek-V3's first `first_k_dense_replace` layers are
+dense, the rest MoE) keeps `layers` as a tuple of per-layer dicts (no L axis).
 
 *A runner on XLA may give a tied model a [D, V] copy of embed.T as lm_head
 (`xla_layout.untie_head`).
@@ -65,7 +75,7 @@ class KVCache:
     """Per-layer K/V for a fixed number of sequence slots.
 
     k: jax.Array  # [L, slots, K, max_len, hd]
-    v: jax.Array  # [L, slots, K, max_len, hd]
+    v: jax.Array  # [L, slots, K, max_len, hd]  (MLA: width 0, `ModelConfig.cache_dims`)
     Which positions of a slot are valid is the caller's `cache_lens`, not stored here.
     """
 
@@ -82,59 +92,42 @@ class KVCache:
 
     @classmethod
     def create(cls, cfg: ModelConfig, num_slots: int, max_len: int, dtype=jnp.float32):
-        shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len)
+        kd, vd = cfg.cache_dims
+        return cls(k=jnp.zeros((*shape, kd), dtype), v=jnp.zeros((*shape, vd), dtype))
 
 
 def token_bytes(cfg: ModelConfig, dtype) -> int:
-    """Cache bytes one token holds over all layers (K and V)."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    """Cache bytes one token holds over all layers (K and V; MLA: its latent)."""
+    return cfg.num_layers * cfg.num_kv_heads * sum(cfg.cache_dims) * jnp.dtype(dtype).itemsize
 
 
 # ----------------------------------------------------------------------------- params
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
-    """Shape of every parameter, in the layout described in the module docstring."""
-    d, hd, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
-    qd, kvd = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    layers = {
-        "attn_norm": (L, d),
-        "mlp_norm": (L, d),
-        "wq": (L, d, qd),
-        "wk": (L, d, kvd),
-        "wv": (L, d, kvd),
-        "wo": (L, qd, d),
-    }
-    if cfg.attention_bias:
-        layers |= {"bq": (L, qd), "bk": (L, kvd), "bv": (L, kvd)}
-    if cfg.qk_norm:
-        layers |= {"q_norm": (L, hd), "k_norm": (L, hd)}
-    if cfg.is_moe:
-        e, fe = cfg.num_experts, cfg.moe_intermediate_size
-        layers |= {
-            "router": (L, d, e),
-            "e_gate": (L, e, d, fe),
-            "e_up": (L, e, d, fe),
-            "e_down": (L, e, fe, d),
-        }
-        if cfg.expert_bias:
-            layers["e_bias"] = (L, e)
+    """Shape of every parameter, in the layout described in the module docstring:
+    `layers` stacked ([L, ...] shapes) when every layer is alike, else a tuple of
+    per-layer shape dicts."""
+    if cfg.uniform_layers:
+        layers = {k: (cfg.num_layers, *v) for k, v in cfg.layer_shapes(0).items()}
     else:
-        f = cfg.intermediate_size
-        layers |= {"w_gate": (L, d, f), "w_up": (L, d, f), "w_down": (L, f, d)}
+        layers = tuple(cfg.layer_shapes(i) for i in range(cfg.num_layers))
+    d = cfg.hidden_size
     shapes = {"embed": (cfg.vocab_size, d), "final_norm": (d,), "layers": layers}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (d, cfg.vocab_size)
     return shapes
 
 
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(v, int) for v in x)
+
+
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
     """Random weights (normal, std 0.02), norms at one, biases at zero."""
     shapes = param_shapes(cfg)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda x: isinstance(x, tuple)
-    )
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_shape)
     keys = jax.random.split(key, len(flat))
     leaves = []
     for (path, shape), k in zip(flat, keys, strict=True):
@@ -152,13 +145,15 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies f32[hd // 2], with Llama-3 scaling when configured."""
+    """Inverse RoPE frequencies f32[hd // 2], with Llama-3 or YaRN scaling when configured."""
     hd = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
     inv = inv.astype(np.float32)
     rs = cfg.rope_scaling
     if rs is None:
         return inv
+    if rs.rope_type == "yarn":
+        return _yarn_inv_freq(cfg)
     old = rs.original_max_position_embeddings
     low_wavelen = old / rs.low_freq_factor
     high_wavelen = old / rs.high_freq_factor
@@ -170,6 +165,39 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def _yarn_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """YaRN: each frequency blends its interpolated value (divided by `factor`) and
+    its original one by a linear ramp over the dimensions whose wavelengths fall
+    between beta_fast and beta_slow rotations in the original context (float32
+    steps, as transformers computes them)."""
+    rs, dim, base = cfg.rope_scaling, cfg.head_dim, cfg.rope_theta
+    pos_freqs = (np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / dim)).astype(
+        np.float32
+    )
+
+    def correction_dim(rotations):
+        old = rs.original_max_position_embeddings
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a one-point ramp would divide by zero
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolated = (1 - ramp).astype(np.float32)
+    inv = (1.0 / (rs.factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
+    return inv.astype(np.float32)
+
+
+def rope_scale(cfg: ModelConfig) -> float:
+    """The factor on rotated dims: YaRN's attention factor (cos and sin are scaled by
+    it), else 1."""
+    rs = cfg.rope_scaling
+    return rs.yarn_attention_factor() if rs is not None and rs.rope_type == "yarn" else 1.0
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """x f32[..., D] normalised over the last axis, times weight [D]."""
     x = x.astype(jnp.float32)
@@ -177,11 +205,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return x * weight.astype(jnp.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE. x f32[B, N, heads, hd]; positions i32[B, N]."""
+def apply_rope(
+    x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0
+) -> jax.Array:
+    """Rotate-half RoPE. x f32[B, N, heads, hd]; positions i32[B, N]; cos and sin
+    times `scale` (`rope_scale`)."""
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, N, hd/2]
     cos = jnp.cos(freqs)[:, :, None, :]
     sin = jnp.sin(freqs)[:, :, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -209,12 +242,24 @@ class Layout:
     # (`routed_experts`); True every expert on every token (`dense_experts`, the
     # older form, kept as a baseline for tests and benchmarks).
     dense_experts: bool = False
-    # The dtype the experts' products round their inputs to, when the expert weights
-    # are held wider than the checkpoint's (`xla_layout.widen_experts`); None = theirs.
-    expert_dtype: str | None = None
+    # The dtype products of weights held wider than the checkpoint's round their
+    # inputs to (`xla_layout.widen`: experts, MLA up-projections); None = the weights'.
+    narrow_dtype: str | None = None
 
-    def experts_dtype(self, lp: dict) -> jnp.dtype:
-        return jnp.dtype(self.expert_dtype or lp["e_gate"].dtype)
+    def weights_dtype(self, w: jax.Array) -> jnp.dtype:
+        """The dtype of the checkpoint weights `w` holds (its own unless widened)."""
+        return jnp.dtype(self.narrow_dtype or w.dtype)
+
+    def head_matmul(self, spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        """einsum(spec, x, w) of a per-head weight w [H, ...] (a dot batched over heads),
+        inputs in its dtype (rounded to the checkpoint's if widened), float32
+        accumulation. XLA CPU has no 16-bit batched dot, so there the rounded inputs
+        multiply as float32: the same sums (a product of two bfloat16 values is exact
+        in float32)."""
+        x = x.astype(self.weights_dtype(w)).astype(w.dtype)
+        if w.dtype.itemsize < 4 and jax.default_backend() == "cpu":
+            x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+        return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
 
     def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
         return matmul(x, w)
@@ -288,12 +333,16 @@ REFERENCE = Layout()
 
 
 def _mlp(cfg: ModelConfig, lp: dict, h: jax.Array, layout: Layout) -> jax.Array:
-    if not cfg.is_moe:
+    if "router" not in lp:  # a dense layer (every layer of a dense model)
         gate, up = layout.gate_up(lp, h)
         return layout.linear(lp, "w_down", jax.nn.silu(gate) * up)
     top_w, top_i = route(cfg, lp, h, layout)
     experts = dense_experts if layout.dense_experts else routed_experts
-    return experts(lp, h, top_w, top_i, layout.experts_dtype(lp))
+    out = experts(lp, h, top_w, top_i, layout.weights_dtype(lp["e_gate"]))
+    if "s_gate" in lp:  # shared experts: an MLP every token runs, added after the routed
+        act = jax.nn.silu(layout.linear(lp, "s_gate", h)) * layout.linear(lp, "s_up", h)
+        out = out + layout.linear(lp, "s_down", act)
+    return out
 
 
 def route(cfg: ModelConfig, lp: dict, h: jax.Array, layout: Layout = REFERENCE):
@@ -325,7 +374,7 @@ def route(cfg: ModelConfig, lp: dict, h: jax.Array, layout: Layout = REFERENCE):
         denom = jnp.sum(top_w, axis=-1, keepdims=True)
         top_w = top_w / (denom + 1e-20 if cfg.scoring_func == "sigmoid" else denom)
     top_w = top_w * cfg.routed_scaling_factor
-    return top_w.astype(layout.experts_dtype(lp)).astype(jnp.float32), top_i
+    return top_w.astype(layout.weights_dtype(lp["e_gate"])).astype(jnp.float32), top_i
 
 
 def _expert_mlp(lp: dict, e, x: jax.Array, dtype) -> jax.Array:
@@ -409,30 +458,79 @@ def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_c
     side positions [at, at + N) and attention reads the whole side buffer
     (`block_mask` is then bool[B, N, S]); the updated buffers are returned.
     """
-    b, n, _ = x.shape
-    hd = cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = layout.qkv(cfg, lp, h)
-    if cfg.attention_bias:
-        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    q = q.reshape(b, n, cfg.num_heads, hd)
-    k = k.reshape(b, n, cfg.num_kv_heads, hd)
-    v = v.reshape(b, n, cfg.num_kv_heads, hd)
-    if cfg.qk_norm:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    qkv = _mla_qkv if cfg.is_mla else _gqa_qkv
+    q, k, v = qkv(cfg, lp, h, positions, inv_freq, layout)
     if side is not None:
         k_side, v_side, at = side
         k = jax.lax.dynamic_update_slice_in_dim(k_side, k.astype(k_side.dtype), at, axis=1)
         v = jax.lax.dynamic_update_slice_in_dim(v_side, v.astype(v_side.dtype), at, axis=1)
-    kh = cfg.num_kv_heads
-    qg = q.reshape(b, n, kh, cfg.num_heads // kh, hd) * (1.0 / math.sqrt(hd))
-    attn = layout.attention(cfg, qg, k, v, k_cache, v_cache, cache_mask, block_mask)
+    if cfg.is_mla:  # the values are the latent: the keys' first kv_lora_rank entries
+        attn = layout.attention(cfg, q, k, k, k_cache, k_cache, cache_mask, block_mask)
+        attn = _mla_values(cfg, lp, attn, layout)
+    else:
+        attn = layout.attention(cfg, q, k, v, k_cache, v_cache, cache_mask, block_mask)
     x = x + layout.linear(lp, "wo", attn)
     x = x + _mlp(cfg, lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), layout)
     return x, k, v
+
+
+def _gqa_qkv(cfg, lp, h, positions, inv_freq, layout: Layout):
+    """Grouped-query attention's q f32[B, N, K, G, hd] (scaled) and k, v [B, N, K, hd]."""
+    b, n, _ = h.shape
+    hd, kh = cfg.head_dim, cfg.num_kv_heads
+    q, k, v = layout.qkv(cfg, lp, h)
+    if cfg.attention_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = q.reshape(b, n, cfg.num_heads, hd)
+    k = k.reshape(b, n, kh, hd)
+    v = v.reshape(b, n, kh, hd)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    scale = rope_scale(cfg)
+    q = apply_rope(q, positions, inv_freq, scale)
+    k = apply_rope(k, positions, inv_freq, scale)
+    qg = q.reshape(b, n, kh, cfg.num_heads // kh, hd) * (1.0 / math.sqrt(hd))
+    return qg, k, v
+
+
+def _mla_qkv(cfg, lp, h, positions, inv_freq, layout: Layout):
+    """Multi-head latent attention in its absorbed form, as multi-query attention over
+    one latent per token: q f32[B, N, 1, H, c + r] (scaled), k [B, N, 1, c + r], v
+    empty [B, N, 1, 0] (c = kv_lora_rank, r = rotary width).
+
+    A head's score is q_nope . (W_uk c) + q_rope . k_rope = (W_uk^T q_nope) . c +
+    q_rope . k_rope, so the key up-projection folds into the query and the cache keeps
+    only [c, k_rope] (`ModelConfig.cache_dims`): c + r values per token and layer in
+    place of H x (nope + r + v). Every step (prefill too) uses this form: the
+    expanded one would need the per-head keys of the whole context."""
+    b, n, _ = h.shape
+    nope, r, c = cfg.qk_nope_head_dim, cfg.head_dim, cfg.kv_lora_rank
+    if "wq_a" in lp:
+        q = layout.linear(lp, "wq_b", rms_norm(layout.linear(lp, "wq_a", h), lp["q_a_norm"],
+                                                cfg.rms_norm_eps))  # fmt: skip
+    else:
+        q = layout.linear(lp, "wq", h)
+    q = q.reshape(b, n, cfg.num_heads, nope + r)
+    kv = layout.linear(lp, "wkv_a", h)  # [B, N, c + r]
+    latent = rms_norm(kv[..., :c], lp["kv_a_norm"], cfg.rms_norm_eps)
+    scale = rope_scale(cfg)
+    q_rope = apply_rope(q[..., nope:], positions, inv_freq, scale)
+    k_rope = apply_rope(kv[:, :, None, c:], positions, inv_freq, scale)[:, :, 0]
+    q_lat = layout.head_matmul("bnhd,hcd->bnhc", q[..., :nope], lp["w_uk"])  # w_uk [H, c, nope]
+    q = jnp.concatenate([q_lat, q_rope], axis=-1) * cfg.softmax_scale
+    k = jnp.concatenate([latent, k_rope], axis=-1)[:, :, None]
+    return q[:, :, None], k, jnp.zeros((b, n, 1, 0), jnp.float32)
+
+
+def _mla_values(cfg, lp, attn: jax.Array, layout: Layout) -> jax.Array:
+    """Per-head attention outputs over the latent, f32[B, N, H * (c + r)], through the
+    value up-projection: f32[B, N, H * v_head_dim]."""
+    b, n, _ = attn.shape
+    lat = attn.reshape(b, n, cfg.num_heads, -1)[..., : cfg.kv_lora_rank]
+    out = layout.head_matmul("bnhc,hcv->bnhv", lat, lp["w_uv"])  # w_uv [H, c, v]
+    return out.reshape(b, n, -1)
 
 
 def lm_head(cfg: ModelConfig, params: Params, x: jax.Array, layout: Layout = REFERENCE):
@@ -494,8 +592,8 @@ def _hidden_block(
 
     def body(x, layer):
         lp, i, sk, sv = layer  # i: this layer's index into the cache (traced under scan)
-        kc, vc = (layout.cache_rows(a, i, rows, kv_len, keep)
-                  for a in (cache.k, cache.v))  # fmt: skip
+        kc = layout.cache_rows(cache.k, i, rows, kv_len, keep)
+        vc = None if cfg.is_mla else layout.cache_rows(cache.v, i, rows, kv_len, keep)
         side_l = None if side is None else (sk, sv, side.at)
         x, k, v = _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, kc, vc, side_l,
                          layout)  # fmt: skip
@@ -557,9 +655,11 @@ def _put_rows(cache: KVCache, k_rows, v_rows, slots, starts) -> KVCache:
         k, v = kv
         live = slots[b] >= 0
         at = (0, jnp.maximum(slots[b], 0), 0, starts[b], 0)
-        shape = (k.shape[0], 1, k.shape[2], k_rows.shape[3], k.shape[4])
 
         def put(cache_arr, new):
+            if cache_arr.shape[-1] == 0:  # MLA's empty V
+                return cache_arr
+            shape = (*cache_arr.shape[:1], 1, cache_arr.shape[2], new.shape[2], cache_arr.shape[4])
             old = jax.lax.dynamic_slice(cache_arr, at, shape)
             upd = jnp.where(live, new[:, None].astype(cache_arr.dtype), old)
             return jax.lax.dynamic_update_slice(cache_arr, upd, at)
@@ -636,8 +736,9 @@ class SideKV:
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, b: int, s: int) -> SideKV:
-        shape = (cfg.num_layers, b, s, cfg.num_kv_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
+        shape = (cfg.num_layers, b, s, cfg.num_kv_heads)
+        kd, vd = cfg.cache_dims
+        return cls(jnp.zeros((*shape, kd), jnp.float32), jnp.zeros((*shape, vd), jnp.float32),
                    jnp.zeros((b, s), jnp.int32))  # fmt: skip
 
 

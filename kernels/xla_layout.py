@@ -226,7 +226,8 @@ def one_row_copy_bytes(cfg: ModelConfig, dtype) -> int:
     """Bytes of the matrices `one_row_copies` copies for this model in `dtype`: every
     layer's `ONE_ROW_KEYS` matrices (fused or not, the same bytes) and a [D, V] head."""
     layers = param_shapes(cfg)["layers"]
-    n = sum(math.prod(shape) for k, shape in layers.items() if k in ONE_ROW_KEYS)
+    per_layer = layers if isinstance(layers, tuple) else (layers,)  # stacked: [L, ...] shapes
+    n = sum(math.prod(shape) for lp in per_layer for k, shape in lp.items() if k in ONE_ROW_KEYS)
     return (n + cfg.hidden_size * cfg.vocab_size) * jnp.dtype(dtype).itemsize
 
 
@@ -265,7 +266,7 @@ def arrange(
 ) -> tuple[Params, XlaLayout]:  # fmt: skip
     """`params` (stacked, as loaded) arranged for the XLA path, and the layout that
     reads them: per-layer weights; on CPU an untied head and float32 experts
-    (`widen_experts`); fused projections if `fuse`; one-row copies if `one_row` and
+    (`widen`); fused projections if `fuse`; one-row copies if `one_row` and
     `wants_one_row_copies`."""
     backend = backend or jax.default_backend()
     dtype = params["embed"].dtype
@@ -277,35 +278,38 @@ def arrange(
     if one_row and wants_one_row_copies(cfg, dtype, backend):
         out = one_row_copies(out, cfg.tie_word_embeddings)
     layout = for_backend(cfg, backend)
-    if backend == "cpu" and cfg.is_moe and jnp.dtype(dtype) != jnp.float32:
-        out = widen_experts(out)
-        layout = dataclasses.replace(layout, expert_dtype=jnp.dtype(dtype).name)
+    if backend == "cpu" and (cfg.is_moe or cfg.is_mla) and jnp.dtype(dtype) != jnp.float32:
+        out = widen(out)
+        layout = dataclasses.replace(layout, narrow_dtype=jnp.dtype(dtype).name)
     return out, layout
 
 
-EXPERT_KEYS = ("e_gate", "e_up", "e_down")
+# Weights `widen` holds as float32 on CPU: the experts and MLA's per-head up-projections.
+WIDE_KEYS = ("e_gate", "e_up", "e_down", "w_uk", "w_uv")
 
 
-def widen_experts(params: Params) -> Params:
-    """Per-layer params (`unstack_layers`) with 16-bit expert weights held as float32.
+def widen(params: Params) -> Params:
+    """Per-layer params (`unstack_layers`) with 16-bit 3-D weights (`WIDE_KEYS`) held
+    as float32.
 
     XLA CPU runs a 16-bit product as a float32 one; inside the routed experts' loop
     (`transformer.routed_experts`) it would widen every expert's weights once per
     step, outside the loop, which costs what the dense form did. Held wide, a step
-    reads only its routed experts. The layout rounds the products' inputs to the
-    checkpoint's dtype (`Layout.expert_dtype`), so the sums are those of the 16-bit
-    weights: twice the experts' memory, the same numbers."""
+    reads only its routed experts. MLA's per-head products are dots batched over
+    heads, which XLA CPU does not run in bfloat16 at all. The layout rounds these
+    products' inputs to the checkpoint's dtype (`Layout.narrow_dtype`), so the sums
+    are those of the 16-bit weights: twice those weights' memory, the same numbers."""
     layers = params["layers"]
     if not isinstance(layers, (tuple, list)):
-        raise ValueError("widen_experts needs per-layer params (unstack_layers)")
-    wide = tuple({**lp, **{k: lp[k].astype(jnp.float32) for k in EXPERT_KEYS if k in lp}}
+        raise ValueError("widen needs per-layer params (unstack_layers)")
+    wide = tuple({**lp, **{k: lp[k].astype(jnp.float32) for k in WIDE_KEYS if k in lp}}
                  for lp in layers)  # fmt: skip
     return {**params, "layers": wide}
 
 
 __all__ = [
-    "EXPERT_KEYS", "ONE_ROW_KEYS", "ONE_ROW_MAX_BYTES", "PER_HEAD_MAX", "XlaLayout", "arrange",
+    "ONE_ROW_KEYS", "ONE_ROW_MAX_BYTES", "PER_HEAD_MAX", "XlaLayout", "arrange",
     "attention_per_kv_head", "cache_dtype", "for_backend", "fuse_projections",
     "one_row_copies", "one_row_copy_bytes", "untie_head", "wants_one_row_copies",
-    "widen_experts",
+    "WIDE_KEYS", "widen",
 ]  # fmt: skip

@@ -2,9 +2,9 @@
 
 Reads a model folder as `save_pretrained` writes it: `config.json` and either
 `model.safetensors` or `model.safetensors.index.json` with its shards. Tensor
-names follow the Llama / Qwen layout (`model.layers.{i}.self_attn.q_proj.weight`,
-...). Linear weights are stored `[out, in]` there and `[in, out]` in our params
-(see `kernels/transformer.py`).
+names follow the Llama / Qwen / DeepSeek-V3 layout
+(`model.layers.{i}.self_attn.q_proj.weight`, ...). Linear weights are stored
+`[out, in]` there and `[in, out]` in our params (see `kernels/transformer.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -25,13 +26,14 @@ from specdec.kernels.config import Architecture, ModelConfig, RopeScaling
 from specdec.kernels.transformer import Params, param_shapes
 
 SUPPORTED_ARCHITECTURES = tuple(a.value for a in Architecture)
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
 _MODEL_TYPES = {
     "llama": Architecture.LLAMA,
     "mistral": Architecture.MISTRAL,
     "qwen2": Architecture.QWEN2,
     "qwen3": Architecture.QWEN3,
     "qwen3_moe": Architecture.QWEN3_MOE,
+    "deepseek_v3": Architecture.DEEPSEEK_V3,
 }
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -55,15 +57,73 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return theta, None
-    if rope_type != "llama3":
+    if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"Unsupported rope scaling type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}."
+        )
+    old = scaling.get("original_max_position_embeddings")
+    if rope_type == "yarn":
+        factor = scaling.get("factor")
+        if factor is None and old:  # transformers' fallback: the context's growth
+            factor = hf["max_position_embeddings"] / old
+        opt = lambda key, default: default if scaling.get(key) is None else scaling[key]  # noqa: E731
+        return theta, RopeScaling(
+            rope_type="yarn",
+            factor=float(factor),
+            original_max_position_embeddings=int(old or hf["max_position_embeddings"]),
+            beta_fast=float(opt("beta_fast", 32)),
+            beta_slow=float(opt("beta_slow", 1)),
+            mscale=float(opt("mscale", 0)),
+            mscale_all_dim=float(opt("mscale_all_dim", 0)),
+            attention_factor=scaling.get("attention_factor"),
+            truncate=bool(opt("truncate", True)),
         )
     return theta, RopeScaling(
         factor=float(scaling["factor"]),
         low_freq_factor=float(scaling["low_freq_factor"]),
         high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        original_max_position_embeddings=int(old),
+    )
+
+
+def _deepseek_v3(hf: dict) -> dict:
+    """ModelConfig fields of a DeepSeek-V3 config: MLA, and (with routed experts)
+    sigmoid group-limited routing, shared experts and the first dense layers."""
+    if hf.get("quantization_config"):
+        raise ValueError(
+            "Quantized DeepSeek-V3 checkpoints (quantization_config, e.g. FP8 block "
+            "scales) are not supported; convert the weights to bfloat16 first."
+        )
+    fields = dict(
+        kv_lora_rank=int(hf["kv_lora_rank"]),
+        q_lora_rank=int(hf.get("q_lora_rank") or 0),
+        qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+        v_head_dim=int(hf["v_head_dim"]),
+        head_dim=int(hf["qk_rope_head_dim"]),
+        num_kv_heads=1,
+        first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
+    )
+    experts = int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 0)
+    if not experts:
+        return fields | {"first_k_dense_replace": 0}
+    scoring = hf.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise ValueError(f"DeepSeek-V3 scoring_func must be 'sigmoid', got {scoring!r}.")
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ValueError(
+            f"DeepSeek-V3 topk_method must be 'noaux_tc', got {hf.get('topk_method')!r}."
+        )
+    return fields | dict(
+        num_experts=experts,
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        scoring_func="sigmoid",
+        expert_bias=True,
+        n_group=int(hf.get("n_group") or 1),
+        topk_group=int(hf.get("topk_group") or 1),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        n_shared_experts=int(hf.get("n_shared_experts") or 0),
     )
 
 
@@ -107,14 +167,18 @@ def config_from_hf(hf: dict) -> ModelConfig:
             moe_intermediate_size=int(hf["moe_intermediate_size"]),
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         )
+    fields = dict(
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+    )
+    if arch == Architecture.DEEPSEEK_V3:
+        fields |= _deepseek_v3(hf)
     return ModelConfig(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf.get("intermediate_size") or 1),
         num_layers=int(hf["num_hidden_layers"]),
         num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
         architecture=arch,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
@@ -125,6 +189,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         attention_bias=arch == Architecture.QWEN2 or bool(hf.get("attention_bias", False)),
         qk_norm=arch in (Architecture.QWEN3, Architecture.QWEN3_MOE),
         **moe,
+        **fields,
     )
 
 
@@ -176,7 +241,21 @@ def config_to_hf(cfg: ModelConfig, **extra) -> dict:
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": cfg.attention_bias and cfg.architecture != Architecture.QWEN2,
     }
-    if cfg.rope_scaling is not None:
+    if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "yarn":
+        rs = cfg.rope_scaling
+        hf["rope_scaling"] = {
+            "rope_type": "yarn",
+            "factor": rs.factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings,
+            "beta_fast": rs.beta_fast,
+            "beta_slow": rs.beta_slow,
+            "mscale": rs.mscale,
+            "mscale_all_dim": rs.mscale_all_dim,
+            "truncate": rs.truncate,
+        }
+        if rs.attention_factor is not None:
+            hf["rope_scaling"]["attention_factor"] = rs.attention_factor
+    elif cfg.rope_scaling is not None:
         rs = cfg.rope_scaling
         hf["rope_scaling"] = {
             "rope_type": "llama3",
@@ -187,6 +266,8 @@ def config_to_hf(cfg: ModelConfig, **extra) -> dict:
         }
     if cfg.sliding_window is not None:
         hf["sliding_window"] = cfg.sliding_window
+    if cfg.architecture == Architecture.DEEPSEEK_V3:
+        return hf | _deepseek_v3_to_hf(cfg) | extra
     if cfg.is_moe:
         hf |= {
             "num_experts": cfg.num_experts,
@@ -197,6 +278,34 @@ def config_to_hf(cfg: ModelConfig, **extra) -> dict:
             "mlp_only_layers": [],
         }
     return hf | extra
+
+
+def _deepseek_v3_to_hf(cfg: ModelConfig) -> dict:
+    """DeepSeek-V3's own config.json fields. The weights are written with the rotary
+    dims de-interleaved (as this package holds them), hence rope_interleave false."""
+    moe = cfg.num_experts > 0
+    return {
+        "num_key_value_heads": cfg.num_heads,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "q_lora_rank": cfg.q_lora_rank or None,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "rope_interleave": False,
+        # transformers builds MoE layers from first_k_dense_replace on: a dense model
+        # is one whose every layer comes first.
+        "first_k_dense_replace": cfg.first_k_dense_replace if moe else cfg.num_layers,
+        "n_routed_experts": cfg.num_experts if moe else 1,
+        "num_experts_per_tok": cfg.num_experts_per_tok if moe else 1,
+        "moe_intermediate_size": cfg.moe_intermediate_size if moe else 1,
+        "n_shared_experts": cfg.n_shared_experts,
+        "n_group": cfg.n_group,
+        "topk_group": cfg.topk_group,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+    }
 
 
 # ----------------------------------------------------------------------------- names
@@ -218,7 +327,19 @@ _LAYER_TENSORS = (
     ("w_up", "mlp.up_proj.weight", True),
     ("w_down", "mlp.down_proj.weight", True),
     ("router", "mlp.gate.weight", True),
+    ("e_bias", "mlp.gate.e_score_correction_bias", False),
+    ("s_gate", "mlp.shared_experts.gate_proj.weight", True),
+    ("s_up", "mlp.shared_experts.up_proj.weight", True),
+    ("s_down", "mlp.shared_experts.down_proj.weight", True),
+    ("wq_a", "self_attn.q_a_proj.weight", True),
+    ("q_a_norm", "self_attn.q_a_layernorm.weight", False),
+    ("wq_b", "self_attn.q_b_proj.weight", True),
+    ("wkv_a", "self_attn.kv_a_proj_with_mqa.weight", True),
+    ("kv_a_norm", "self_attn.kv_a_layernorm.weight", False),
 )
+# MLA's key and value up-projections (our w_uk, w_uv) are one HF tensor
+# [H * (nope + v), kv_lora_rank]: per head, nope key rows then v value rows.
+_KV_B = "self_attn.kv_b_proj.weight"
 _EXPERT_TENSORS = (
     ("e_gate", "gate_proj.weight"),
     ("e_up", "up_proj.weight"),
@@ -232,25 +353,31 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     out = {"model.embed_tokens.weight": ours["embed"], "model.norm.weight": ours["final_norm"]}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = ours["lm_head"][::-1]
-    layers = ours["layers"]
     for i in range(cfg.num_layers):
+        layer = cfg.layer_shapes(i)
         for key, name, transpose in _LAYER_TENSORS:
-            if key in layers:
-                shape = layers[key][1:]
+            if key in layer:
+                shape = layer[key]
                 out[f"model.layers.{i}.{name}"] = shape[::-1] if transpose else shape
-        if cfg.is_moe:
+        if "w_uk" in layer:
+            width = cfg.qk_nope_head_dim + cfg.v_head_dim
+            out[f"model.layers.{i}.{_KV_B}"] = (cfg.num_heads * width, cfg.kv_lora_rank)
+        if "e_gate" in layer:
             for e in range(cfg.num_experts):
                 for key, name in _EXPERT_TENSORS:
-                    shape = layers[key][2:]
-                    out[f"model.layers.{i}.mlp.experts.{e}.{name}"] = shape[::-1]
+                    out[f"model.layers.{i}.mlp.experts.{e}.{name}"] = layer[key][1:][::-1]
     return out
 
 
 def _ignored(name: str, cfg: ModelConfig) -> bool:
-    """Tensors a checkpoint may carry that we do not need."""
-    return name.endswith("rotary_emb.inv_freq") or (
-        cfg.tie_word_embeddings and name == "lm_head.weight"
-    )
+    """Tensors a checkpoint may carry that we do not need: RoPE buffers, a tied head's
+    copy, and DeepSeek-V3's multi-token-prediction layers (numbered from num_layers on)."""
+    parts = name.split(".")
+    extra_layer = (cfg.architecture == Architecture.DEEPSEEK_V3 and len(parts) > 2
+                   and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+                   and int(parts[2]) >= cfg.num_layers)  # fmt: skip
+    return (name.endswith("rotary_emb.inv_freq") or extra_layer
+            or (cfg.tie_word_embeddings and name == "lm_head.weight"))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- loading
@@ -387,26 +514,12 @@ def load_model(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCo
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     expected = hf_tensor_shapes(cfg)
     raw = {n: t.astype(np_dtype) for n, t in _tensors(files, list(expected))}
-    ours = param_shapes(cfg)
-    layers = {}
-    for key, name, transpose in _LAYER_TENSORS:
-        if key not in ours["layers"]:
-            continue
-        per_layer = [raw.pop(f"model.layers.{i}.{name}") for i in range(cfg.num_layers)]
-        layers[key] = np.stack([t.T if transpose else t for t in per_layer])
-    if cfg.is_moe:
-        for key, name in _EXPERT_TENSORS:
-            layers[key] = np.stack(
-                [
-                    np.stack(
-                        [
-                            raw.pop(f"model.layers.{i}.mlp.experts.{e}.{name}").T
-                            for e in range(cfg.num_experts)
-                        ]
-                    )
-                    for i in range(cfg.num_layers)
-                ]
-            )
+    interleaved = cfg.is_mla and bool(_config_json(folder).get("rope_interleave", True))
+    per_layer = [_layer_from_hf(cfg, i, raw, interleaved) for i in range(cfg.num_layers)]
+    if cfg.uniform_layers:
+        layers = {k: np.stack([lp[k] for lp in per_layer]) for k in per_layer[0]}
+    else:
+        layers = tuple(per_layer)
     params = {
         "embed": raw.pop("model.embed_tokens.weight"),
         "final_norm": raw.pop("model.norm.weight"),
@@ -415,10 +528,50 @@ def load_model(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCo
     if not cfg.tie_word_embeddings:
         params["lm_head"] = raw.pop("lm_head.weight").T
     to_jax = lambda a: jnp.asarray(a, dtype=jdtype)  # noqa: E731
-    return cfg, {
-        k: ({n: to_jax(a) for n, a in v.items()} if k == "layers" else to_jax(v))
-        for k, v in params.items()
-    }
+    return cfg, jax.tree_util.tree_map(to_jax, params)
+
+
+def _config_json(folder: Path) -> dict:
+    return json.loads(_config_path(folder).read_text())
+
+
+def _rope_order(r: int) -> np.ndarray:
+    """Column order that turns interleaved rotary pairs (x0, x1), (x2, x3), ... into
+    the rotate-half layout [x0, x2, ..., x1, x3, ...] the forward uses."""
+    return np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
+
+
+def _layer_from_hf(cfg: ModelConfig, i: int, raw: dict, interleaved: bool) -> dict:
+    """Layer i's params ([in, out] matrices) popped from the HF tensors `raw`.
+
+    DeepSeek-V3 checkpoints rotate interleaved pairs of the rotary dims
+    (`rope_interleave`); permuting the columns that produce them (the same order for
+    queries and keys, so every score is unchanged) lets one rotate-half RoPE serve."""
+    layer = cfg.layer_shapes(i)
+    at = f"model.layers.{i}."
+    lp = {}
+    for key, name, transpose in _LAYER_TENSORS:
+        if key in layer:
+            t = raw.pop(at + name)
+            lp[key] = t.T if transpose else t
+    if "w_uk" in layer:
+        nope, c = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        kv_b = raw.pop(at + _KV_B).T.reshape(c, cfg.num_heads, nope + cfg.v_head_dim)
+        lp["w_uk"] = np.ascontiguousarray(kv_b[..., :nope].transpose(1, 0, 2))
+        lp["w_uv"] = np.ascontiguousarray(kv_b[..., nope:].transpose(1, 0, 2))
+    if "e_gate" in layer:
+        for key, name in _EXPERT_TENSORS:
+            lp[key] = np.stack([raw.pop(f"{at}mlp.experts.{e}.{name}").T
+                                for e in range(cfg.num_experts)])  # fmt: skip
+    if interleaved:
+        order = _rope_order(cfg.head_dim)
+        q = "wq_b" if "wq_b" in lp else "wq"
+        nope, r = cfg.qk_nope_head_dim, cfg.head_dim
+        w = lp[q].reshape(lp[q].shape[0], cfg.num_heads, nope + r)
+        lp[q] = np.concatenate([w[..., :nope], w[..., nope:][..., order]], -1).reshape(lp[q].shape)
+        c = cfg.kv_lora_rank
+        lp["wkv_a"] = np.concatenate([lp["wkv_a"][:, :c], lp["wkv_a"][:, c:][:, order]], 1)
+    return lp
 
 
 # ----------------------------------------------------------------------------- saving
@@ -433,16 +586,23 @@ def to_hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     }
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = get(params["lm_head"]).T
-    layers = {k: get(v) for k, v in params["layers"].items()}
+    stacked = params["layers"]
     for i in range(cfg.num_layers):
+        if isinstance(stacked, (tuple, list)):
+            lp = {k: get(v) for k, v in stacked[i].items()}
+        else:
+            lp = {k: get(v[i]) for k, v in stacked.items()}
+        at = f"model.layers.{i}."
         for key, name, transpose in _LAYER_TENSORS:
-            if key in layers:
-                t = layers[key][i]
-                out[f"model.layers.{i}.{name}"] = t.T if transpose else t
-        if cfg.is_moe:
+            if key in lp:
+                out[at + name] = lp[key].T if transpose else lp[key]
+        if "w_uk" in lp:  # [H, c, nope] + [H, c, v] -> [H * (nope + v), c]
+            kv_b = np.concatenate([lp["w_uk"], lp["w_uv"]], axis=-1).transpose(1, 0, 2)
+            out[at + _KV_B] = kv_b.reshape(cfg.kv_lora_rank, -1).T
+        if "e_gate" in lp:
             for e in range(cfg.num_experts):
                 for key, name in _EXPERT_TENSORS:
-                    out[f"model.layers.{i}.mlp.experts.{e}.{name}"] = layers[key][i, e].T
+                    out[f"{at}mlp.experts.{e}.{name}"] = lp[key][e].T
     return {n: np.ascontiguousarray(t) for n, t in out.items()}
 
 

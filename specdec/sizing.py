@@ -79,15 +79,26 @@ def _time(f, x, repeats: int = 5) -> float:
 
 def weight_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     """The [in, out] matrices one decode step multiplies by: per layer the fused
-    QKV, output, gate+up and down projections (an MoE layer: its routed experts'
-    share, top-k experts wide), then the LM head."""
-    d, hd = cfg.hidden_size, cfg.head_dim
-    ffn = cfg.moe_intermediate_size * cfg.num_experts_per_tok if cfg.is_moe else (
-        cfg.intermediate_size
-    )  # fmt: skip
-    layer = [(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd), (cfg.num_heads * hd, d),
-             (d, 2 * ffn), (ffn, d)]  # fmt: skip
-    return layer * cfg.num_layers + [(d, cfg.vocab_size)]
+    QKV (MLA: its query and latent projections, the per-head up-projections as one
+    matrix each), output, gate+up and down projections (an MoE layer: its routed
+    and shared experts' share, top-k experts wide), then the LM head."""
+    d, hd, h = cfg.hidden_size, cfg.head_dim, cfg.num_heads
+    if cfg.is_mla:
+        c, nope = cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        q = [(d, cfg.q_lora_rank), (cfg.q_lora_rank, h * (nope + hd))] if cfg.q_lora_rank else [
+            (d, h * (nope + hd))]  # fmt: skip
+        attn = [*q, (d, c + hd), (h * nope, c), (c, h * cfg.v_head_dim),
+                (h * cfg.v_head_dim, d)]  # fmt: skip
+    else:
+        attn = [(d, (h + 2 * cfg.num_kv_heads) * hd), (h * hd, d)]
+    shapes = []
+    for i in range(cfg.num_layers):
+        if cfg.moe_layer(i):
+            ffn = cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts)
+        else:
+            ffn = cfg.intermediate_size
+        shapes += [*attn, (d, 2 * ffn), (ffn, d)]
+    return shapes + [(d, cfg.vocab_size)]
 
 
 def product_costs(

@@ -76,6 +76,38 @@ _QWEN3_MOE = dict(
     mlp_only_layers=[],
 )
 
+_DEEPSEEK_V3 = dict(
+    _COMMON,
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=24,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=40,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,  # max_position_embeddings / factor
+        "mscale": 1.0,
+        "mscale_all_dim": 0.7,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+)
+
 VARIANTS: dict[str, Variant] = {
     "llama": Variant("llama", _LLAMA),
     # MHA (kv heads == heads) and a shared embedding / LM head matrix.
@@ -137,6 +169,26 @@ VARIANTS: dict[str, Variant] = {
     ),
     # The same weights as "llama", saved as model.safetensors.index.json + several shards.
     "llama_sharded": Variant("llama", _LLAMA, max_shard_size="20KB"),
+    # DeepSeek-V3: MLA with a low-rank query path, YaRN (with mscale_all_dim, so the
+    # softmax scale moves too), sigmoid routing limited to 1 of 2 groups, a shared
+    # expert, and a dense first layer.
+    "deepseek_v3": Variant("deepseek_v3", _DEEPSEEK_V3, seed=10),
+    # Without the query low-rank path, groups or dense layers; default RoPE.
+    "deepseek_v3_plain": Variant(
+        "deepseek_v3",
+        dict(
+            _DEEPSEEK_V3,
+            q_lora_rank=None,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=0,
+            n_routed_experts=6,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        seed=11,
+    ),  # fmt: skip
 }
 
 
@@ -149,6 +201,7 @@ def _classes(family: str):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     }[family]
 
 
@@ -159,10 +212,15 @@ def _reinit_(model) -> None:
     fused expert tensors [E, out, in]; a larger tied embedding would make every model
     echo its input token), RMSNorm weights ~ 1 + 0.5 N(0, 1), biases
     ~ 0.5 N(0, 1). Tied LM heads follow the embedding (one shared Parameter).
+    DeepSeek-V3's routing correction bias (a buffer, zero when built) ~ 0.5 N(0, 1), so
+    that it steers which experts are chosen.
     """
     import torch
 
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.5 * torch.randn_like(b))
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.5 * torch.randn_like(p))

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from specdec.checkpoint import load_config, load_model
+from specdec.checkpoint import load_config, load_model, save_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ is not a package
 import hf_models  # noqa: E402
@@ -32,6 +32,7 @@ SUPPORTED = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 
 
@@ -95,7 +96,9 @@ def _expected_fields(name: str) -> dict:
     return fields
 
 
-@pytest.mark.parametrize("name", list(hf_models.VARIANTS))
+@pytest.mark.parametrize(
+    "name", [n for n, v in hf_models.VARIANTS.items() if v.family != "deepseek_v3"]
+)
 def test_load_config_fields(hf_zoo, name):
     cfg = load_config(hf_zoo[name])
     want = _expected_fields(name)
@@ -109,6 +112,45 @@ def test_load_config_fields(hf_zoo, name):
         assert s.original_max_position_embeddings == 64
     else:
         assert cfg.rope_scaling is None
+
+
+def test_load_deepseek_v3_config_fields(hf_zoo):
+    v = hf_models.VARIANTS["deepseek_v3"].config
+    cfg = load_config(hf_zoo["deepseek_v3"])
+    assert cfg.is_mla and cfg.num_kv_heads == 1 and cfg.head_dim == v["qk_rope_head_dim"]
+    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim) == (
+        v["kv_lora_rank"], v["q_lora_rank"], v["qk_nope_head_dim"], v["v_head_dim"])  # fmt: skip
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
+        v["n_routed_experts"], v["num_experts_per_tok"], v["moe_intermediate_size"])  # fmt: skip
+    assert (cfg.scoring_func, cfg.expert_bias, cfg.n_group, cfg.topk_group) == (
+        "sigmoid", True, v["n_group"], v["topk_group"])  # fmt: skip
+    assert cfg.routed_scaling_factor == v["routed_scaling_factor"] and cfg.norm_topk_prob
+    assert (cfg.n_shared_experts, cfg.first_k_dense_replace) == (1, 1)
+    rs, want = cfg.rope_scaling, v["rope_parameters"]
+    assert (rs.rope_type, rs.factor, rs.mscale, rs.mscale_all_dim) == (
+        "yarn", want["factor"], want["mscale"], want["mscale_all_dim"])  # fmt: skip
+    assert rs.original_max_position_embeddings == want["original_max_position_embeddings"]
+    plain = load_config(hf_zoo["deepseek_v3_plain"])
+    assert plain.q_lora_rank == 0 and plain.rope_scaling is None and plain.n_group == 1
+
+
+def test_deepseek_v3_saved_by_us_loads_back_in_both(hf_zoo, tmp_path):
+    """`save_checkpoint` writes DeepSeek-V3 with de-interleaved rotary dims
+    (rope_interleave false) and kv_b_proj rebuilt from w_uk / w_uv: our loader reads
+    the same params back, and transformers computes the same logits from it."""
+    import torch
+
+    cfg, params = load_model(hf_zoo["deepseek_v3"])
+    save_checkpoint(tmp_path, cfg, params, dtype="float32")
+    cfg2, params2 = load_model(tmp_path)
+    assert cfg2 == cfg
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    prompt = hf_models.random_prompts((9,), cfg.vocab_size, seed=2)[0]
+    ours = hf_models.load_torch_model(tmp_path)
+    with torch.no_grad():
+        want = hf_models.hf_logits(hf_zoo.torch_model("deepseek_v3"), prompt)
+    np.testing.assert_allclose(hf_models.hf_logits(ours, prompt), want, atol=1e-4, rtol=0)
 
 
 def test_load_config_accepts_config_json_path(hf_zoo):
@@ -160,17 +202,17 @@ def test_load_config_unsupported_architecture(hf_zoo, tmp_path):
 @pytest.mark.parametrize("spelling", ["rope_parameters", "rope_scaling"])
 def test_load_config_unsupported_rope_type(hf_zoo, tmp_path, spelling):
     hf = hf_models.read_config(hf_zoo["llama"])
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    longrope = {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 64}
     if spelling == "rope_parameters":
-        hf["rope_parameters"] = {**yarn, "rope_theta": 10000.0}
+        hf["rope_parameters"] = {**longrope, "rope_theta": 10000.0}
     else:
         hf = _to_transformers4(hf)
-        hf["rope_scaling"] = yarn
+        hf["rope_scaling"] = longrope
     hf_models.write_config(tmp_path, hf)
     with pytest.raises(ValueError) as info:
         load_config(tmp_path)
-    assert "yarn" in str(info.value)
-    assert "llama3" in str(info.value)
+    assert "longrope" in str(info.value)
+    assert "llama3" in str(info.value) and "yarn" in str(info.value)
 
 
 def test_load_config_missing_config_json(tmp_path):

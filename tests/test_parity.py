@@ -47,6 +47,8 @@ GENERATE_VARIANTS = [
     "qwen2",
     "qwen3",
     "qwen3_moe",
+    "deepseek_v3",
+    "deepseek_v3_plain",
 ]
 
 
@@ -65,7 +67,7 @@ def _prefill(cfg, params, prompts) -> np.ndarray:
 
 
 # The quick subset keeps one variant per loader family; CI runs all of them.
-QUICK_PREFILL = {"llama", "mistral_swa", "qwen2", "qwen3", "qwen3_moe"}
+QUICK_PREFILL = {"llama", "mistral_swa", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"}
 
 
 @pytest.mark.parametrize(
@@ -98,13 +100,17 @@ def test_prefill_logits_match_hf(hf_zoo, name):
     [
         ("llama3_rope", {"rope_scaling": None}),
         ("mistral_swa", {"sliding_window": None}),
+        ("deepseek_v3", {"rope_scaling": None}),
+        ("deepseek_v3", {"n_group": 1, "topk_group": 1}),
     ],
 )
 def test_parity_inputs_exercise_the_feature(hf_zoo, name, change):
     """Dropping the feature from the config moves the logits far beyond LOGIT_ATOL.
 
     Guards the fixtures: llama3 scaling with original_max_position_embeddings=64 rescales
-    most frequencies, and window 6 masks keys, at the 16 positions of the prefill test.
+    most frequencies, and window 6 masks keys, at the 16 positions of the prefill test;
+    DeepSeek-V3's YaRN moves the softmax scale and rotary dims, and its group limit
+    changes which experts tokens reach.
     """
     cfg, params = _load(hf_zoo[name])
     prompts = hf_models.random_prompts(PREFILL_LENGTHS, cfg.vocab_size, seed=_seed(name))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from specdec.kernels import transformer as T
-from specdec.kernels.config import Architecture, ModelConfig
+from specdec.kernels.config import Architecture, ModelConfig, RopeScaling
 from specdec.kernels.megakernel.reference import tree_block
 
 CONFIGS = {
@@ -21,6 +21,19 @@ CONFIGS = {
     "mistral_window": ModelConfig(
         vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=2,
         num_kv_heads=2, head_dim=16, architecture=Architecture.MISTRAL, sliding_window=5,
+    ),
+    # DeepSeek-V3 class: MLA (absorbed, over the latent cache), YaRN, a dense first
+    # layer, then routed + shared experts.
+    "deepseek_mla": ModelConfig(
+        vocab_size=70, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+        num_kv_heads=1, head_dim=8, architecture=Architecture.DEEPSEEK_V3, kv_lora_rank=16,
+        q_lora_rank=24, qk_nope_head_dim=8, v_head_dim=12, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+        scoring_func="sigmoid", expert_bias=True, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1,
+        rope_scaling=RopeScaling(rope_type="yarn", factor=4.0,
+                                 original_max_position_embeddings=16, mscale=1.0,
+                                 mscale_all_dim=0.7),
     ),
 }  # fmt: skip
 
@@ -56,14 +69,17 @@ def decode_path_logits(params, cfg, prompt, path_tokens):
     return out
 
 
+QUICK_TREE = ("llama_gqa", "deepseek_mla")
+
+
 @pytest.mark.parametrize(
-    "name", [n if n == "llama_gqa" else pytest.param(n, marks=pytest.mark.slow) for n in CONFIGS]
+    "name", [n if n in QUICK_TREE else pytest.param(n, marks=pytest.mark.slow) for n in CONFIGS]
 )
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_tree_forward_matches_path_decode(name, seed):
     cfg = CONFIGS[name]
     rng = np.random.default_rng(seed)
-    params = T.init_params(cfg, jax.random.key(seed))
+    params = _scaled(T.init_params(cfg, jax.random.key(seed)))
     prompt_len, n = 6, 10
     prompt = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
     committed, root = prompt[:-1], prompt[-1]
@@ -100,6 +116,36 @@ def test_tree_forward_matches_path_decode(name, seed):
             j = int(parents[j])
         ref = decode_path_logits(params, cfg, committed, [root] + path[::-1])[-1]
         np.testing.assert_allclose(logits[i + 1], ref, atol=1e-5, rtol=0)
+
+
+def _scaled(params):
+    """Weights ~ N(0, 1 / fan_in) (init_params' std 0.02 leaves every logit near zero,
+    where a wrong mask or cache entry would hide under the tolerance); norms as they are."""
+
+    def scale(path, w):
+        name = path[-1].key
+        if w.ndim < 2 or name.endswith("norm"):
+            return w
+        return w * (1.0 / (0.02 * np.sqrt(w.shape[-2])))
+
+    return jax.tree_util.tree_map_with_path(scale, params)
+
+
+def test_mla_cache_holds_the_latent_and_rotary_key_only():
+    """MLA caches kv_lora_rank + qk_rope_head_dim values per token per layer, in every
+    cache form the engine allocates and in the byte count that sizes it."""
+    from specdec.kernels.paged import PagedKVCache
+
+    cfg = CONFIGS["deepseek_mla"]
+    per_layer = cfg.kv_lora_rank + cfg.head_dim  # head_dim is the rotary width under MLA
+    for dtype in (jnp.float32, jnp.bfloat16):
+        size = jnp.dtype(dtype).itemsize
+        assert T.token_bytes(cfg, dtype) == cfg.num_layers * per_layer * size
+        slot = T.KVCache.create(cfg, 3, 32, dtype)
+        paged = PagedKVCache.create(cfg, 3, 32, block_size=16, num_blocks=5, dtype=dtype)
+        for cache, tokens in ((slot, 3 * 32), (paged, 5 * 16)):
+            held = cache.k.nbytes + cache.v.nbytes
+            assert held == tokens * cfg.num_layers * per_layer * size
 
 
 def test_commit_kv_keeps_accepted_path():
@@ -194,7 +240,10 @@ def test_one_row_bfloat16_product_matches_plain_matmul(lead):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", pytest.param("qwen3_kv1", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name", ["llama_gqa", pytest.param("qwen3_kv1", marks=pytest.mark.slow),
+             pytest.param("deepseek_mla", marks=pytest.mark.slow)],
+)  # fmt: skip
 @pytest.mark.parametrize("rows", [1, pytest.param(5, marks=pytest.mark.slow)])
 def test_runner_layout_forward_matches_the_reference(name, rows):
     """Everything `xla_layout.arrange` does at once (per-layer, untied head, fused
@@ -377,21 +426,26 @@ def test_routed_experts_equal_the_dense_form(t, n_e, k, skew):
 
 
 @pytest.mark.slow
-def test_bfloat16_experts_widened_on_cpu_give_the_reference_logits():
-    """On CPU a bfloat16 MoE's experts are held as float32 (else XLA widens every
-    expert each step) with their products' inputs rounded to bfloat16: the forward
-    then gives the logits of the bfloat16 weights as they are."""
+@pytest.mark.parametrize("mla", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_bfloat16_experts_widened_on_cpu_give_the_reference_logits(mla):
+    """On CPU a bfloat16 MoE's experts (and MLA's per-head up-projections) are held as
+    float32 (else XLA widens every expert each step; it has no bfloat16 batched dot)
+    with their products' inputs rounded to bfloat16: the forward then gives the
+    logits of the bfloat16 weights as they are."""
     from specdec.kernels import xla_layout
 
     cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2,
                       num_heads=2, num_kv_heads=2, head_dim=8, architecture=Architecture.QWEN3_MOE,
                       num_experts=6, num_experts_per_tok=2, moe_intermediate_size=8,
                       norm_topk_prob=True)  # fmt: skip
+    cfg = CONFIGS["deepseek_mla"] if mla else cfg
     params = T.init_params(cfg, jax.random.key(5), jnp.bfloat16)
     arranged, layout = xla_layout.arrange(cfg, params, backend="cpu")
-    assert layout.expert_dtype == "bfloat16" and not layout.dense_experts
-    assert all(lp["e_gate"].dtype == jnp.float32 for lp in arranged["layers"])
-    assert arranged["layers"][0]["wq"].dtype == jnp.bfloat16
+    assert layout.narrow_dtype == "bfloat16" and not layout.dense_experts
+    wide = [lp[k] for lp in arranged["layers"] for k in xla_layout.WIDE_KEYS if k in lp]
+    assert len(wide) >= 3 * (cfg.num_layers - cfg.first_k_dense_replace) + 2 * mla * 2
+    assert all(w.dtype == jnp.float32 for w in wide)
+    assert arranged["layers"][0]["wo"].dtype == jnp.bfloat16
     rng = np.random.default_rng(1)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
     lengths = jnp.asarray([11, 7], jnp.int32)

@@ -73,6 +73,11 @@ def check_shardable(cfg: ModelConfig, n: int, *, tpu: bool = False) -> None:
     """Raises ValueError naming what keeps `cfg` from the megakernel on n devices."""
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"The megakernel's device count must be a positive integer, got {n!r}.")
+    if cfg.is_mla:
+        raise ValueError(
+            f"The verify megakernel covers grouped-query attention only; {cfg.architecture.value} "
+            f"with multi-head latent attention must use kernel='xla'."
+        )
     if cfg.is_moe:
         raise ValueError(
             f"The verify megakernel covers dense models only; {cfg.architecture.value} with "
