@@ -100,8 +100,8 @@ def test_prefill_logits_match_hf(hf_zoo, name):
     [
         ("llama3_rope", {"rope_scaling": None}),
         ("mistral_swa", {"sliding_window": None}),
-        ("deepseek_v3", {"rope_scaling": None}),
-        ("deepseek_v3", {"n_group": 1, "topk_group": 1}),
+        pytest.param("deepseek_v3", {"rope_scaling": None}, marks=pytest.mark.slow),
+        pytest.param("deepseek_v3", {"n_group": 1, "topk_group": 1}, marks=pytest.mark.slow),
     ],
 )
 def test_parity_inputs_exercise_the_feature(hf_zoo, name, change):

@@ -204,7 +204,8 @@ def test_max_tokens_never_exceeded(spec_and_ref, max_tokens):
 # ----------------------------------------------------------------------------- seeds
 
 
-@pytest.mark.parametrize("method", ["draft_model", pytest.param("ngram", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
 def test_seeded_determinism_and_batch_invariance(target_dir, unrelated_dir, prompts, method):
     if method == "draft_model":
         llm = spec_llm(target_dir, unrelated_dir, **SHAPES["model_tree"])

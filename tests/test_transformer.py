@@ -69,7 +69,7 @@ def decode_path_logits(params, cfg, prompt, path_tokens):
     return out
 
 
-QUICK_TREE = ("llama_gqa", "deepseek_mla")
+QUICK_TREE = ("llama_gqa",)
 
 
 @pytest.mark.parametrize(
@@ -185,6 +185,7 @@ def test_commit_kv_keeps_accepted_path():
     np.testing.assert_allclose(np.asarray(logits[0, 0]), ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_forward_train_matches_prefill():
     cfg = CONFIGS["qwen3_kv1"]
     params = T.init_params(cfg, jax.random.key(0))
@@ -197,7 +198,7 @@ def test_forward_train_matches_prefill():
 @pytest.mark.parametrize(
     "heads,kv_heads,n,b",
     [
-        (4, 2, 3, 2),
+        pytest.param(4, 2, 3, 2, marks=pytest.mark.slow),  # the runner layout test runs it too
         pytest.param(4, 1, 1, 1, marks=pytest.mark.slow),
         pytest.param(6, 3, 5, 3, marks=pytest.mark.slow),
     ],
@@ -317,6 +318,7 @@ def test_prefill_chunk_lengths():
     assert len({chunk_len(n, 512) for n in range(1, 513)}) == 12
 
 
+@pytest.mark.slow
 def test_prefill_with_a_non_power_of_two_chunk_matches_the_plain_forward():
     """Prompts of 300 and 130 tokens prefill as one 320-token chunk (`chunk_len`)."""
     import dataclasses
