@@ -420,10 +420,13 @@ def routed_experts(lp: dict, h, top_w, top_i, dtype=None) -> jax.Array:
     t, k = x.shape[0], top_i.shape[-1]
     n_e = lp["e_gate"].shape[-3]
     p = t * k
-    # Rows a tile holds: T rounded up to a power of two, at most 64. A decode or verify
-    # step's experts then take one tile each (their weights read once: what such a
-    # step costs), and a prefill's tiles are wide enough to be efficient products.
-    m = min(64, 1 << (t - 1).bit_length())
+    # Rows a tile holds: twice the mean pairs per expert, rounded up to a power of two,
+    # at most 64. In a decode or verify step most routed experts see one or two
+    # tokens, so a tile of ~T rows (the old size) spent nearly all its products on
+    # padding; at twice the mean most experts still take one tile each (their weights
+    # read once: what such a step costs), and a prefill's tiles stay wide enough to be
+    # efficient products.
+    m = min(64, 1 << (max(1, -(-2 * p // n_e)) - 1).bit_length())
     flat_e = top_i.reshape(p)
     order = jnp.argsort(flat_e, stable=True)
     tok = (jnp.arange(p, dtype=jnp.int32) // k)[order]  # the sorted pairs' tokens
