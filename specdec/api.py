@@ -406,6 +406,17 @@ class LLM:
                     del self._requests[rid]
             return outputs
 
+    def abort_request(self, request_id: str) -> bool:
+        """Ends a request added with `add_request` (a client that went away): its slot
+        and KV blocks free at once, and the next `step` reports it once with
+        finish_reason "abort". False if no such request is running."""
+        with self._lock:
+            entry = self._requests.get(str(request_id))
+            if entry is None:
+                return False
+            self.engine.abort_request(entry[0])
+            return True
+
     def has_unfinished_requests(self) -> bool:
         """Whether any request (of any caller) is waiting or running."""
         with self._lock:

@@ -1,8 +1,9 @@
-"""`specdec` command line: generate (the main job), batch, aot.
+"""`specdec` command line: generate (the main job), batch, serve, aot.
 
 specdec generate "def fib(n):"           # bundled demo pair, tree speculation, streamed
 specdec generate --method none "x = "    # plain autoregressive decoding
 specdec batch --input prompts.jsonl --output out.jsonl
+specdec serve --port 8000                # OpenAI-compatible server on Ray Serve
 specdec aot --config qwen3-8b --topology tpu7x:2x2x1
 """
 
@@ -119,6 +120,24 @@ def cmd_batch(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """`specdec serve`: the OpenAI-compatible server (`specdec/server.py`)."""
+    kwargs = llm_kwargs(args)
+    from specdec.checkpoint import load_config
+
+    load_config(kwargs["model"])  # a bad config.json is one error line, before Ray starts
+    try:
+        from specdec import server
+    except ImportError as e:
+        raise ValueError(
+            f"specdec serve needs Ray Serve and FastAPI ({e.name} is not installed): "
+            "pip install 'specdec[serve]'."
+        ) from None
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return server.run(args, kwargs)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     bp = sub.add_parser("batch", help="offline generation over a JSONL file")
     batch.add_arguments(bp)
     bp.set_defaults(func=cmd_batch)
+
+    sp = sub.add_parser("serve", help="OpenAI-compatible HTTP server on Ray Serve")
+    add_model_arguments(sp)
+    g = sp.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--num-replicas", type=int, default=1, help="engine replicas (default 1)")
+    g.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
+    g.add_argument("--address", default=None,
+                   help="Ray cluster to join (default: start a local one)")  # fmt: skip
+    g.add_argument("--served-model-name", default=None,
+                   help="the `model` requests name (default: the model folder's name)")  # fmt: skip
+    sp.set_defaults(func=cmd_serve)
 
     # Listed here for `specdec -h`; its own parser (kernels/aot.py) reads its flags.
     sub.add_parser("aot", help="compile the verify step for a TPU topology", add_help=False)

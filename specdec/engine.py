@@ -192,6 +192,19 @@ class LLMEngine:
         self.waiting.append(seq)
         return seq
 
+    def abort_request(self, seq: Sequence) -> None:
+        """Ends `seq` now (finish_reason "abort", output so far kept) and frees its slot
+        and KV blocks, or its place in the queue. Nothing if it already finished."""
+        if seq.finished:
+            return
+        queued = [s for s in self.waiting if s is not seq]
+        if len(queued) < len(self.waiting):
+            self.waiting = deque(queued)
+        elif seq.slot >= 0:
+            self._release(seq)
+        seq.finish_reason = "abort"
+        seq.metrics.finished_time = time.perf_counter()
+
     def kv_blocks(self, seq: Sequence, extra: int = 0) -> int:
         """Cache blocks `seq` holds by the end of its next step (with `extra` more tokens)."""
         n = len(seq.prompt_token_ids) + len(seq.output_ids) + extra + self.growth

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "error"]
+FinishReason = Literal["stop", "length", "error", "abort"]  # abort: `LLM.abort_request`
 
 
 @dataclasses.dataclass
