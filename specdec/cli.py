@@ -123,6 +123,8 @@ def cmd_batch(args) -> int:
 def cmd_serve(args) -> int:
     """`specdec serve`: the OpenAI-compatible server (`specdec/server.py`)."""
     kwargs = llm_kwargs(args)
+    if args.distributed_executor_backend is not None:
+        kwargs["distributed_executor_backend"] = args.distributed_executor_backend
     from specdec.checkpoint import load_config
 
     load_config(kwargs["model"])  # a bad config.json is one error line, before Ray starts
@@ -162,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
     g.add_argument("--address", default=None,
                    help="Ray cluster to join (default: start a local one)")  # fmt: skip
+    g.add_argument("--distributed-executor-backend", choices=("ray",), default=None,
+                   help="ray: each replica runs its draft and target as Ray actors on "
+                        "their own groups (LLM's distributed_executor_backend)")  # fmt: skip
     g.add_argument("--served-model-name", default=None,
                    help="the `model` requests name (default: the model folder's name)")  # fmt: skip
     sp.set_defaults(func=cmd_serve)

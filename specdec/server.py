@@ -236,32 +236,38 @@ class ServerMetrics:
             "Finished requests by finish reason.",
             [f'{{{lab},finished_reason="{r}"}} {n}' for r, n in sorted(self.finished.items())],
         )
-        metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-               [f"{{{lab}}} {self.prompt_tokens}"])  # fmt: skip
-        metric("generation_tokens_total", "counter", "Generated tokens of finished requests.",
-               [f"{{{lab}}} {self.generation_tokens}"])  # fmt: skip
+        scalars = [
+            ("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+             self.prompt_tokens),
+            ("generation_tokens_total", "counter", "Generated tokens of finished requests.",
+             self.generation_tokens),
+        ]  # fmt: skip
+        if engine is not None:
+            spec = engine.llm.engine.spec_metrics
+            scalars += [
+                ("num_requests_running", "gauge", "Requests in the running batch.",
+                 engine.running),
+                ("num_requests_waiting", "gauge", "Requests queued for a slot.", engine.waiting),
+                ("request_aborted_total", "counter", "Requests whose client went away.",
+                 engine.aborted),
+                ("spec_decode_num_drafts_total", "counter", "Speculative steps with a draft.",
+                 spec.num_drafts),
+                ("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.",
+                 spec.num_draft_tokens),
+                ("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
+                 spec.num_accepted_tokens),
+            ]  # fmt: skip
+        for name, kind, help_, value in scalars:
+            metric(name, kind, help_, [f"{{{lab}}} {value}"])
         metric("e2e_request_latency_seconds", "histogram", "Arrival to finish.",
                self.e2e.samples(lab))  # fmt: skip
         metric("time_to_first_token_seconds", "histogram", "Arrival to first token.",
                self.ttft.samples(lab))  # fmt: skip
         if engine is not None:
-            metric("num_requests_running", "gauge", "Requests in the running batch.",
-                   [f"{{{lab}}} {engine.running}"])  # fmt: skip
-            metric("num_requests_waiting", "gauge", "Requests queued for a slot.",
-                   [f"{{{lab}}} {engine.waiting}"])  # fmt: skip
-            metric("request_aborted_total", "counter", "Requests whose client went away.",
-                   [f"{{{lab}}} {engine.aborted}"])  # fmt: skip
-            spec = engine.llm.engine.spec_metrics
-            metric("spec_decode_num_drafts_total", "counter", "Speculative steps with a draft.",
-                   [f"{{{lab}}} {spec.num_drafts}"])  # fmt: skip
-            metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.",
-                   [f"{{{lab}}} {spec.num_draft_tokens}"])  # fmt: skip
-            metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
-                   [f"{{{lab}}} {spec.num_accepted_tokens}"])  # fmt: skip
+            per_pos = engine.llm.engine.spec_metrics.accepted_per_position
             metric("spec_decode_num_accepted_tokens_per_pos_total", "counter",
                    "Steps whose accepted path reached each position (0 = depth 1).",
-                   [f'{{{lab},position="{i}"}} {n}'
-                    for i, n in enumerate(spec.accepted_per_position)])  # fmt: skip
+                   [f'{{{lab},position="{i}"}} {n}' for i, n in enumerate(per_pos)])  # fmt: skip
         return "\n".join(lines) + "\n"
 
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import socket
+import subprocess
 from pathlib import Path
 
 import jax
@@ -81,3 +85,21 @@ def noisy_copy(src, dst, noise: float, seed: int = 1):
 
     save_checkpoint(dst, cfg, jax.tree.map(perturb, params), dtype="float32")
     return dst
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on (for a server a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> None:
+    """Stops a process started with start_new_session=True and everything it started
+    (its process group; never `ray stop`, which would stop every Ray process here)."""
+    os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

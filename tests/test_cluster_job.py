@@ -12,7 +12,6 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")  # explicit, before Ray is impor
 
 import json  # noqa: E402
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,18 +22,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-from fixtures import tiny_pair
+from fixtures import free_port, stop_group, tiny_pair
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = "http://127.0.0.1:8265"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +64,7 @@ def head(env):
                 time.sleep(1)
         yield
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc, signal.SIGTERM, timeout=5)
 
 
 def submit(env, job_args: list[str]):

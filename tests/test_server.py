@@ -13,7 +13,6 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")  # explicit, before Ray is impor
 import json  # noqa: E402
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from fixtures import tiny_pair
+from fixtures import free_port, stop_group, tiny_pair
 
 from specdec import LLM, SamplingParams
 
@@ -34,12 +33,6 @@ CHAT_TEMPLATE = (
 )
 SPEC = ["--num-speculative-tokens", "6", "--max-depth", "3", "--topk", "2"]
 MAX_LEN, SEQS = 128, 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str, timeout: float = 5):
@@ -94,12 +87,7 @@ def server(model, tmp_path_factory):
         print(log.read_text()[-5000:])
         raise
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc, signal.SIGINT)
 
 
 @pytest.fixture(scope="module")
