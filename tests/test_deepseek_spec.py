@@ -60,20 +60,20 @@ def test_greedy_speculative_equals_plain_decoding(pair, prompts):
     target, noisy, llama = pair
     plain = LLM(target, max_model_len=MAX_LEN, max_num_seqs=8)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
-    shapes = {
-        "chain": dict(num_speculative_tokens=5, max_depth=5, topk=1),
-        "tree": dict(num_speculative_tokens=16, max_depth=5, topk=3),
+    # The close draft verifies trees (accepted runs), the unrelated Llama a chain.
+    runs = {
+        "tree": (noisy, dict(num_speculative_tokens=16, max_depth=5, topk=3)),
+        "chain": (llama, dict(num_speculative_tokens=5, max_depth=5, topk=1)),
     }
-    for draft in (noisy, llama):
-        for name, shape in shapes.items():
-            spec = {"method": "draft_model", "model": str(draft), **shape}
-            llm = LLM(target, max_model_len=MAX_LEN, max_num_seqs=8, speculative_config=spec)
-            outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-            got = [o.outputs[0].token_ids for o in outs]
-            bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
-            assert not bad, f"{draft.name} {name}: prompts {bad} differ from plain decoding"
-            if draft == noisy:  # a close draft is accepted: verify really ran trees
-                assert llm.get_metrics()["num_accepted_tokens"] > len(prompts)
+    for name, (draft, shape) in runs.items():
+        spec = {"method": "draft_model", "model": str(draft), **shape}
+        llm = LLM(target, max_model_len=MAX_LEN, max_num_seqs=8, speculative_config=spec)
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
+        bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+        assert not bad, f"{draft.name} {name}: prompts {bad} differ from plain decoding"
+        if draft == noisy:  # a close draft is accepted: verify really ran trees
+            assert llm.get_metrics()["num_accepted_tokens"] > len(prompts)
 
 
 @pytest.mark.slow

@@ -44,8 +44,9 @@ def get(url: str, timeout: float = 5):
         return e.code, e.read().decode()
 
 
-def wait_ready(base: str, proc, timeout: float = 300, streak: int = 8) -> None:
-    """Until `streak` health checks in a row answer 200 (every replica loaded)."""
+def wait_ready(base: str, proc, timeout: float = 300, streak: int = 16) -> None:
+    """Until `streak` health checks in a row answer 200: with 2 replicas, one still
+    loading (503) would show within 16 checks but for a 2^-16 chance."""
     deadline, ok = time.monotonic() + timeout, 0
     while ok < streak:
         if proc.poll() is not None:
