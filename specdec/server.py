@@ -73,27 +73,34 @@ class Handle:
         self.engine, self.loop, self.rid = engine, loop, rid
         self.queue: asyncio.Queue = asyncio.Queue()
         self.last: RequestOutput | None = None
+        self.closed = False
 
     def push(self, item: RequestOutput | BaseException) -> None:  # from the loop thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """Each step's output until the finished one; aborts the request if the
-        consumer stops early (a client that went away)."""
-        try:
-            while self.last is None or not self.last.finished:
-                item = await self.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                self.last = item
-                yield item
-        finally:
-            if self.last is None or not self.last.finished:
-                self.engine.abort(self.rid)
+        """Each step's output until the finished one. A consumer that stops early
+        (its client went away) must `close` the handle: an abandoned async generator
+        is only finalised whenever the event loop gets to it."""
+        while self.last is None or not self.last.finished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            self.last = item
+            yield item
+
+    def close(self) -> None:
+        """Aborts the request unless it finished (idempotent)."""
+        if (self.last is None or not self.last.finished) and not self.closed:
+            self.closed = True
+            self.engine.abort(self.rid)
 
     async def result(self) -> RequestOutput:
-        async for _ in self.outputs():
-            pass
+        try:
+            async for _ in self.outputs():
+                pass
+        finally:
+            self.close()  # cancelled (client gone) or failed: free the slot now
         return self.last
 
 
@@ -334,7 +341,7 @@ class OpenAIService:
                 handles.append(await self.engine.submit(prompt, req.params))
         except ValueError as e:  # a prompt the LLM refuses (too long, out of vocabulary)
             for h in handles:
-                self.engine.abort(h.rid)
+                h.close()
             raise APIError(400, str(e), "prompt" if kind == "completion" else "messages") from None
         rid = new_id(kind)
         if req.stream:
@@ -357,6 +364,8 @@ class OpenAIService:
                     await queue.put((i, out))
             except Exception as e:  # noqa: BLE001 - reported in the stream
                 await queue.put((i, e))
+            finally:
+                handle.close()  # cancelled with the stream (client gone): free the slot
 
         tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
         texts = [TextStream(req.params) for _ in handles]

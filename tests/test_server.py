@@ -136,14 +136,14 @@ def test_completions_chat_and_streaming_equal_llm_generate(client, reference):
 
 def test_32_concurrent_clients_4_requests_each(client, reference):
     rng_prompts = [f"{PROMPTS[i % len(PROMPTS)]}{i}" for i in range(32 * 4)]
-    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     want = [o.outputs[0].text for o in reference.generate(rng_prompts, greedy, use_tqdm=False)]
 
     def worker(c: int) -> list[str]:
         texts = []
         for j in range(4):
             prompt = rng_prompts[4 * c + j]
-            kw = dict(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
+            kw = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
                       extra_body={"ignore_eos": True})  # fmt: skip
             if (c + j) % 2:
                 texts.append(
