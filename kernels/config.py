@@ -23,6 +23,8 @@ class Architecture(enum.StrEnum):
     QWEN3 = "Qwen3ForCausalLM"
     QWEN3_MOE = "Qwen3MoeForCausalLM"
     DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
+    QWEN3_5 = "Qwen3_5ForCausalLM"
+    QWEN3_NEXT = "Qwen3NextForCausalLM"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +135,19 @@ class ModelConfig:
     q_lora_rank: int = 0  # 0 = queries projected directly (no low-rank query path)
     qk_nope_head_dim: int = 0  # per-head query/key width without RoPE
     v_head_dim: int = 0  # per-head value width
+    # Hybrid linear attention (Qwen3.5 / Qwen3-Next, `kernels/linear_attention.py`):
+    # each layer's token mixer, "linear_attention" (gated DeltaNet) or
+    # "full_attention"; None = every layer full attention.
+    layer_types: tuple[str, ...] | None = None
+    linear_num_key_heads: int = 0  # query / key heads of a DeltaNet layer
+    linear_num_value_heads: int = 0  # value heads (a multiple of the key heads)
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4  # taps of the short causal convolution
+    attn_output_gate: bool = False  # attention output times sigmoid(x @ wg) (Qwen3.5)
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim x this dims
+    shared_expert_intermediate_size: int = 0  # 0 = n_shared_experts x moe_intermediate_size
+    shared_expert_gate: bool = False  # the shared expert times sigmoid(x @ s_router)
 
     def __post_init__(self):
         for name in (
@@ -169,6 +184,15 @@ class ModelConfig:
                 raise ValueError("attention_bias and qk_norm are not supported with MLA.")
             if self.q_lora_rank < 0:
                 raise ValueError(f"q_lora_rank must be >= 0, got {self.q_lora_rank}.")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))  # hashable
+            self._check_hybrid()
+        rot = self.rotary_dim
+        if not 0 < self.partial_rotary_factor <= 1 or rot < 2 or rot % 2:
+            raise ValueError(
+                f"partial_rotary_factor must be in (0, 1] and leave an even rotary width >= 2 "
+                f"(head_dim {self.head_dim} x {self.partial_rotary_factor} = {rot})."
+            )
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
             raise ValueError(
                 f"first_k_dense_replace must be in [0, num_layers={self.num_layers}], got "
@@ -205,6 +229,82 @@ class ModelConfig:
                     f"({self.topk_group} x {per}), got {self.num_experts_per_tok}."
                 )
 
+    def _check_hybrid(self) -> None:
+        kinds = ("linear_attention", "full_attention")
+        if len(self.layer_types) != self.num_layers or any(t not in kinds for t in
+                                                           self.layer_types):  # fmt: skip
+            raise ValueError(
+                f"layer_types must list {self.num_layers} entries (num_layers), each one of "
+                f"{list(kinds)}; got {list(self.layer_types)}."
+            )
+        if not self.is_hybrid:
+            return
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 when a layer is linear_attention.")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple "
+                f"of linear_num_key_heads ({self.linear_num_key_heads})."
+            )
+        if self.linear_conv_kernel_dim < 2:
+            raise ValueError(
+                f"linear_conv_kernel_dim must be >= 2, got {self.linear_conv_kernel_dim}."
+            )
+        if self.sliding_window is not None or self.is_mla:
+            raise ValueError("linear-attention layers do not combine with sliding_window or MLA.")
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers are linear attention (gated DeltaNet) with a recurrent state."""
+        return self.layer_types is not None and "linear_attention" in self.layer_types
+
+    def linear_layer(self, i: int) -> bool:
+        return self.is_hybrid and self.layer_types[i] == "linear_attention"
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Indices of the layers with softmax attention (the ones the KV cache holds)."""
+        return tuple(i for i in range(self.num_layers) if not self.linear_layer(i))
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.linear_layer(i))
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Layers whose K/V the cache holds: all of them but the linear-attention ones."""
+        return len(self.attention_layers)
+
+    def cache_layer(self, i: int) -> int:
+        """Layer i's index among the cached (attention) layers or, for a linear layer,
+        among the linear layers (the recurrent state's index)."""
+        kind = self.linear_layers if self.linear_layer(i) else self.attention_layers
+        return kind.index(i)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of a head RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_dims(self) -> tuple[int, int, int]:
+        """(key width, value width, convolved channels = 2 x key + value) of a
+        DeltaNet layer, heads flattened."""
+        kd = self.linear_num_key_heads * self.linear_key_head_dim
+        vd = self.linear_num_value_heads * self.linear_value_head_dim
+        return kd, vd, 2 * kd + vd
+
+    @property
+    def shared_intermediate(self) -> int:
+        """Width of the shared-expert MLP (0: none)."""
+        if not self.is_moe:
+            return 0
+        return self.shared_expert_intermediate_size or (
+            self.n_shared_experts * self.moe_intermediate_size
+        )
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
@@ -224,7 +324,7 @@ class ModelConfig:
     @property
     def uniform_layers(self) -> bool:
         """Every layer has the same weights' shapes (so they can be stacked [L, ...])."""
-        return not self.is_moe or self.first_k_dense_replace == 0
+        return not self.is_hybrid and (not self.is_moe or self.first_k_dense_replace == 0)
 
     @property
     def qk_head_dim(self) -> int:
@@ -255,7 +355,14 @@ class ModelConfig:
         `kernels/transformer.py`)."""
         d, hd, h = self.hidden_size, self.head_dim, self.num_heads
         layers = {"attn_norm": (d,), "mlp_norm": (d,)}
-        if self.is_mla:
+        if self.linear_layer(i):
+            kd, vd, cd = self.linear_dims
+            hv = self.linear_num_value_heads
+            layers |= {"w_qkv": (d, cd), "w_z": (d, vd), "w_b": (d, hv), "w_a": (d, hv),
+                       "conv": (self.linear_conv_kernel_dim, cd), "dt_bias": (hv,),
+                       "a_log": (hv,), "lin_norm": (self.linear_value_head_dim,),
+                       "w_out": (vd, d)}  # fmt: skip
+        elif self.is_mla:
             c, nope, vd = self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim
             qd = h * (nope + hd)
             if self.q_lora_rank:
@@ -272,15 +379,19 @@ class ModelConfig:
                 layers |= {"bq": (qd,), "bk": (kvd,), "bv": (kvd,)}
             if self.qk_norm:
                 layers |= {"q_norm": (hd,), "k_norm": (hd,)}
+            if self.attn_output_gate:
+                layers["wg"] = (d, qd)
         if self.moe_layer(i):
             e, fe = self.num_experts, self.moe_intermediate_size
             layers |= {"router": (d, e), "e_gate": (e, d, fe), "e_up": (e, d, fe),
                        "e_down": (e, fe, d)}  # fmt: skip
             if self.expert_bias:
                 layers["e_bias"] = (e,)
-            if self.n_shared_experts:
-                fs = fe * self.n_shared_experts
+            if self.shared_intermediate:
+                fs = self.shared_intermediate
                 layers |= {"s_gate": (d, fs), "s_up": (d, fs), "s_down": (fs, d)}
+                if self.shared_expert_gate:
+                    layers["s_router"] = (d, 1)
         else:
             f = self.intermediate_size
             layers |= {"w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}

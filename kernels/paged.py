@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from specdec.kernels.config import ModelConfig
+from specdec.kernels.linear_attention import LinearState
 
 
 @jax.tree_util.register_dataclass
@@ -42,6 +43,7 @@ class PagedKVCache:
     k: jax.Array
     v: jax.Array
     table: jax.Array
+    lin: LinearState | None = None  # a hybrid model's linear-layer states (per slot)
 
     @property
     def num_slots(self) -> int:
@@ -66,11 +68,15 @@ class PagedKVCache:
             raise ValueError(
                 f"max_len ({max_len}) must be a multiple of block_size ({block_size})."
             )
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size)
+        shape = (cfg.num_cache_layers, cfg.num_kv_heads, num_blocks, block_size)
         kd, vd = cfg.cache_dims  # MLA: its latent in k, an empty v
         table = jnp.zeros((num_slots, max_len // block_size), jnp.int32)
+        lin = None
+        if cfg.is_hybrid:
+            state_dtype = jnp.bfloat16 if jnp.dtype(dtype) == jnp.uint16 else dtype
+            lin = LinearState.create(cfg, num_slots, state_dtype)
         return cls(k=jnp.zeros((*shape, kd), dtype), v=jnp.zeros((*shape, vd), dtype),
-                   table=table)  # fmt: skip
+                   table=table, lin=lin)  # fmt: skip
 
 
 def to_stored(x: jax.Array, dtype) -> jax.Array:

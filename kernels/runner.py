@@ -187,7 +187,7 @@ class ModelRunner:
                 kv_len=kv_len,
                 layout=self.layout,
             )
-            self.cache = transformer.write_kv(self.cache, ks, vs, slots, starts)
+            self.cache = transformer.write_kv(self.cache, ks, vs, slots, starts, counts=n_in)
         self.cache_lens[slot] = n
         return np.asarray(logits[0])  # the prompt ends in the last chunk
 

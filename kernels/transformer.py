@@ -61,7 +61,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec.kernels import linear_attention as la
 from specdec.kernels.config import ModelConfig
+from specdec.kernels.linear_attention import LinearBlock, LinearState
 from specdec.kernels.paged import PagedKVCache, from_stored, paged_rows, put_paged, row_tables
 
 Params = dict
@@ -77,10 +79,13 @@ class KVCache:
     k: jax.Array  # [L, slots, K, max_len, hd]
     v: jax.Array  # [L, slots, K, max_len, hd]  (MLA: width 0, `ModelConfig.cache_dims`)
     Which positions of a slot are valid is the caller's `cache_lens`, not stored here.
+    A hybrid model's cache holds its attention layers' K/V only (L = its
+    `num_cache_layers`) and its linear layers' states in `lin`.
     """
 
     k: jax.Array
     v: jax.Array
+    lin: LinearState | None = None
 
     @property
     def num_slots(self) -> int:
@@ -92,14 +97,35 @@ class KVCache:
 
     @classmethod
     def create(cls, cfg: ModelConfig, num_slots: int, max_len: int, dtype=jnp.float32):
-        shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len)
+        shape = (cfg.num_cache_layers, num_slots, cfg.num_kv_heads, max_len)
         kd, vd = cfg.cache_dims
-        return cls(k=jnp.zeros((*shape, kd), dtype), v=jnp.zeros((*shape, vd), dtype))
+        lin = LinearState.create(cfg, num_slots, _state_dtype(dtype)) if cfg.is_hybrid else None
+        return cls(k=jnp.zeros((*shape, kd), dtype), v=jnp.zeros((*shape, vd), dtype), lin=lin)
+
+
+def _state_dtype(cache_dtype):
+    """The convolution state's dtype for a cache of `cache_dtype` (uint16 holds
+    bfloat16 bits in a paged cache; the state is small and kept as values)."""
+    return jnp.bfloat16 if jnp.dtype(cache_dtype) == jnp.uint16 else cache_dtype
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HybridKV:
+    """A hybrid model's block K/V: the attention layers' keys [La, B, N, K, hd] and the
+    linear layers' per-token record (`LinearBlock`, leaves [Ll, B, N, ...]). Its values
+    travel separately, as any model's do."""
+
+    k: jax.Array
+    lin: LinearBlock
 
 
 def token_bytes(cfg: ModelConfig, dtype) -> int:
-    """Cache bytes one token holds over all layers (K and V; MLA: its latent)."""
-    return cfg.num_layers * cfg.num_kv_heads * sum(cfg.cache_dims) * jnp.dtype(dtype).itemsize
+    """Cache bytes one token holds over all layers (K and V; MLA: its latent; a hybrid
+    model's attention layers only: its linear layers hold a fixed state per sequence,
+    `linear_attention.bytes_per_slot`)."""
+    n = cfg.num_cache_layers
+    return n * cfg.num_kv_heads * sum(cfg.cache_dims) * jnp.dtype(dtype).itemsize
 
 
 # ----------------------------------------------------------------------------- params
@@ -145,8 +171,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies f32[hd // 2], with Llama-3 or YaRN scaling when configured."""
-    hd = cfg.head_dim
+    """Inverse RoPE frequencies f32[rotary_dim // 2], with Llama-3 or YaRN scaling when
+    configured (`rotary_dim` < head_dim: partial RoPE, the other dims pass through)."""
+    hd = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
     inv = inv.astype(np.float32)
     rs = cfg.rope_scaling
@@ -209,7 +236,12 @@ def apply_rope(
     x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0
 ) -> jax.Array:
     """Rotate-half RoPE. x f32[B, N, heads, hd]; positions i32[B, N]; cos and sin
-    times `scale` (`rope_scale`)."""
+    times `scale` (`rope_scale`). Only the first 2 x len(inv_freq) dims rotate."""
+    rot = 2 * inv_freq.shape[-1]
+    if rot < x.shape[-1]:
+        return jnp.concatenate(
+            [apply_rope(x[..., :rot], positions, inv_freq, scale), x[..., rot:]], axis=-1
+        )
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, N, hd/2]
     cos = jnp.cos(freqs)[:, :, None, :]
     sin = jnp.sin(freqs)[:, :, None, :]
@@ -314,15 +346,23 @@ class Layout:
         Returns x and the K/V stacked [L, ...].
 
         Stacked params ([L, ...] leaves) run under `lax.scan` (one traced layer:
-        what a kernel streams); a tuple of per-layer dicts is unrolled."""
+        what a kernel streams); a tuple of per-layer dicts is unrolled. A body may
+        return a `LinearBlock` for a linear-attention layer's K (and None for V): the
+        K/V are then the attention layers' only, the K a `HybridKV` with the records."""
         if isinstance(layers, (tuple, list)):
-            ks, vs = [], []
+            ks, vs, recs = [], [], []
             for i, lp in enumerate(layers):
                 sk = None if side_k is None else side_k[i]
                 sv = None if side_v is None else side_v[i]
                 x, (k, v) = body(x, (lp, i, sk, sv))
-                ks.append(k)
-                vs.append(v)
+                if isinstance(k, LinearBlock):  # a linear-attention layer's record
+                    recs.append(k)
+                else:
+                    ks.append(k)
+                    vs.append(v)
+            if recs:  # a hybrid model (`HybridKV`)
+                lin = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *recs)
+                return x, HybridKV(k=jnp.stack(ks), lin=lin), jnp.stack(vs)
             return x, jnp.stack(ks), jnp.stack(vs)
         n = next(iter(layers.values())).shape[0]
         x, (ks, vs) = jax.lax.scan(body, x, (layers, jnp.arange(n), side_k, side_v))
@@ -341,7 +381,10 @@ def _mlp(cfg: ModelConfig, lp: dict, h: jax.Array, layout: Layout) -> jax.Array:
     out = experts(lp, h, top_w, top_i, layout.weights_dtype(lp["e_gate"]))
     if "s_gate" in lp:  # shared experts: an MLP every token runs, added after the routed
         act = jax.nn.silu(layout.linear(lp, "s_gate", h)) * layout.linear(lp, "s_up", h)
-        out = out + layout.linear(lp, "s_down", act)
+        shared = layout.linear(lp, "s_down", act)
+        if "s_router" in lp:  # Qwen3-Next: the shared expert's own sigmoid gate
+            shared = shared * jax.nn.sigmoid(layout.linear(lp, "s_router", h))
+        out = out + shared
     return out
 
 
@@ -454,14 +497,21 @@ def routed_experts(lp: dict, h, top_w, top_i, dtype=None) -> jax.Array:
 
 
 def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_cache, side,
-           layout: Layout):  # fmt: skip
+           layout: Layout, lin=None):  # fmt: skip
     """One decoder layer. Returns the new residual and this block's (k, v).
 
     With `side` = (k_side, v_side [B, S, K, hd], at): the block's K/V are put at
     side positions [at, at + N) and attention reads the whole side buffer
     (`block_mask` is then bool[B, N, S]); the updated buffers are returned.
+    A linear-attention layer (`lin` = (path mask, cache_lens, conv state, recurrent
+    state) of its rows) returns its `LinearBlock` record and None in place of (k, v).
     """
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    if lin is not None:
+        out, rec = _deltanet(cfg, lp, h, positions, *lin, layout)
+        x = x + out
+        x = x + _mlp(cfg, lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), layout)
+        return x, rec, None
     qkv = _mla_qkv if cfg.is_mla else _gqa_qkv
     q, k, v = qkv(cfg, lp, h, positions, inv_freq, layout)
     if side is not None:
@@ -473,9 +523,51 @@ def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_c
         attn = _mla_values(cfg, lp, attn, layout)
     else:
         attn = layout.attention(cfg, q, k, v, k_cache, v_cache, cache_mask, block_mask)
+    if "wg" in lp:  # gated attention (Qwen3.5 / Qwen3-Next): per-channel sigmoid gate
+        attn = attn * jax.nn.sigmoid(layout.linear(lp, "wg", h))
     x = x + layout.linear(lp, "wo", attn)
     x = x + _mlp(cfg, lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), layout)
     return x, k, v
+
+
+def _deltanet(cfg, lp, h, positions, path, cache_lens, conv0, s0, layout: Layout):
+    """A gated DeltaNet token mixer over a block (`linear_attention`): returns its
+    output f32[B, N, D] and the block's `LinearBlock` record."""
+    b, n, _ = h.shape
+    kd, vd, _ = cfg.linear_dims
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    x = layout.linear(lp, "w_qkv", h)  # [B, N, 2 kd + vd], the convolution's input
+    z = layout.linear(lp, "w_z", h).reshape(b, n, hv, dv)
+    beta = jax.nn.sigmoid(layout.linear(lp, "w_b", h))
+    a = layout.linear(lp, "w_a", h) + lp["dt_bias"].astype(jnp.float32)
+    g = -jnp.exp(lp["a_log"].astype(jnp.float32)) * jax.nn.softplus(a)  # log-decay <= 0
+    sources = la.ancestor_sources(path, positions, cache_lens, cfg.linear_conv_kernel_dim)
+    xc = la.causal_conv(x, conv0, lp["conv"], sources)
+    r = hv // hk  # each key head serves r consecutive value heads
+    q = jnp.repeat(la.l2norm(xc[..., :kd].reshape(b, n, hk, dk)), r, axis=2) * dk**-0.5
+    k = jnp.repeat(la.l2norm(xc[..., kd : 2 * kd].reshape(b, n, hk, dk)), r, axis=2)
+    v = xc[..., 2 * kd :].reshape(b, n, hv, dv)
+    o, u, big_g = la.gated_delta_block(q, k, v, g, beta, s0, path)
+    o = rms_norm(o, lp["lin_norm"], cfg.rms_norm_eps) * jax.nn.silu(z)
+    out = layout.linear(lp, "w_out", o.reshape(b, n, vd))
+    return out, LinearBlock(x=x, k=k, u=u, g=big_g)
+
+
+def _linear_rows(cfg, cache, slots, cache_lens, b: int):
+    """Per linear layer, the (conv, recurrent) states its rows start from: the slots'
+    committed states, zeros for rows at length 0 or without a cache."""
+    n = len(cfg.linear_layers)
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    taps, c = cfg.linear_conv_kernel_dim, cfg.linear_dims[2]
+    if cache is None or cache.lin is None:
+        conv = jnp.zeros((n, b, taps - 1, c), jnp.float32)
+        return conv, jnp.zeros((n, b, hv, dk, dv), jnp.float32)
+    safe = jnp.clip(slots, 0, cache.num_slots - 1)
+    fresh = cache_lens == 0
+    conv = jnp.where(fresh[None, :, None, None], 0.0, cache.lin.conv[:, safe].astype(jnp.float32))
+    rec = jnp.where(fresh[None, :, None, None, None], 0.0, cache.lin.rec[:, safe])
+    return conv, rec
 
 
 def _gqa_qkv(cfg, lp, h, positions, inv_freq, layout: Layout):
@@ -562,6 +654,22 @@ def _hidden_block(
     """
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][tokens].astype(jnp.float32)
+    lin_rows = None
+    if cfg.is_hybrid:
+        if side is not None:
+            raise ValueError("side buffers (a drafter's tree levels) do not support "
+                             "linear-attention layers")  # fmt: skip
+        b = tokens.shape[0]
+        lens = jnp.zeros((b,), jnp.int32) if cache_lens is None else cache_lens
+        conv0, s0 = _linear_rows(cfg, cache, slots, lens, b)
+        path = block_mask
+
+        def lin_rows(i):
+            if not cfg.linear_layer(i):
+                return None
+            li = cfg.cache_layer(i)
+            return path, lens, conv0[li], s0[li]
+
     key_positions = positions if side is None else side.positions
     if cfg.sliding_window is not None:
         w = cfg.sliding_window
@@ -571,8 +679,9 @@ def _hidden_block(
             raise ValueError("a side buffer needs a cache")
 
         def body(x, layer):
+            lin = None if lin_rows is None else lin_rows(layer[1])
             x, k, v = _layer(cfg, inv_freq, positions, None, block_mask, x, layer[0], None, None,
-                             None, layout)  # fmt: skip
+                             None, layout, lin)  # fmt: skip
             return x, (k, v)
 
         return layout.over_layers(body, x, params["layers"])
@@ -594,9 +703,15 @@ def _hidden_block(
         rows = jnp.clip(slots, 0, cache.num_slots - 1)
 
     def body(x, layer):
-        lp, i, sk, sv = layer  # i: this layer's index into the cache (traced under scan)
-        kc = layout.cache_rows(cache.k, i, rows, kv_len, keep)
-        vc = None if cfg.is_mla else layout.cache_rows(cache.v, i, rows, kv_len, keep)
+        lp, i, sk, sv = layer  # i: the layer's index (traced under scan)
+        lin = None if lin_rows is None else lin_rows(i)
+        if lin is not None:
+            x, rec, _ = _layer(cfg, inv_freq, positions, None, block_mask, x, lp, None, None,
+                               None, layout, lin)  # fmt: skip
+            return x, (rec, None)
+        ci = cfg.cache_layer(i) if cfg.is_hybrid else i  # its index into the K/V cache
+        kc = layout.cache_rows(cache.k, ci, rows, kv_len, keep)
+        vc = None if cfg.is_mla else layout.cache_rows(cache.v, ci, rows, kv_len, keep)
         side_l = None if side is None else (sk, sv, side.at)
         x, k, v = _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, kc, vc, side_l,
                          layout)  # fmt: skip
@@ -674,14 +789,23 @@ def _put_rows(cache: KVCache, k_rows, v_rows, slots, starts) -> KVCache:
     kv = (cache.k, cache.v)
     for b in range(slots.shape[0]):  # unrolled: a while loop would copy the cache (XLA CPU)
         kv = row(b, kv)
-    return KVCache(k=kv[0], v=kv[1])
+    return dataclasses.replace(cache, k=kv[0], v=kv[1])
 
 
-def _write_block(cache: KVCache, ks, vs, slots, cache_lens) -> KVCache:
+def _write_block(cache: KVCache, ks, vs, slots, cache_lens, counts=None) -> KVCache:
     """Writes block K/V [L, B, N, K, hd] at positions cache_lens[b] + i of slots[b].
 
-    Padding rows (slot = -1) never change the cache.
+    Padding rows (slot = -1) never change the cache. A hybrid model's linear layers
+    (`HybridKV`) advance their state by each row's first counts[b] tokens (default:
+    all N: state, unlike K/V, has no "beyond the new length" to leave junk in).
     """
+    if isinstance(ks, HybridKV):
+        lin, ks = ks.lin, ks.k
+        if counts is None:
+            counts = jnp.full(slots.shape, lin.g.shape[2], jnp.int32)
+        cache = dataclasses.replace(
+            cache, lin=la.commit_states(cache.lin, lin, slots, cache_lens, counts)
+        )
     k_rows = jnp.moveaxis(ks, 1, 0).transpose(0, 1, 3, 2, 4)  # [B, L, K, N, hd]
     v_rows = jnp.moveaxis(vs, 1, 0).transpose(0, 1, 3, 2, 4)
     return _put_rows(cache, k_rows, v_rows, slots, cache_lens)
@@ -786,17 +910,21 @@ def write_kv(
     slots: jax.Array,  # i32[B], -1 = write nothing
     starts: jax.Array,  # i32[B] first cache position to write
     keep: jax.Array | None = None,  # i32[B, M] block indices to keep, in order (None = all)
+    counts: jax.Array | None = None,  # i32[B] real entries of each row (hybrid models)
 ) -> KVCache:
     """Writes block K/V (or the `keep` entries of it) at positions starts[b], starts[b] + 1, ...
 
     Example: a verify block [root, n0, n1, n2] with accepted path n0 -> n2 keeps
     block indices [0, 1, 3]: root, n0, n2 land at c, c + 1, c + 2. Entries past a
     row's real path are written too; they lie beyond its new length (ignored).
+    A hybrid model's linear layers (`HybridKV`) advance their state by the first
+    counts[b] (kept) entries only, so they need `counts` whenever a row's block is
+    shorter than N (a padded prefill chunk, a partly accepted tree).
     """
     if keep is not None:
         take = jax.vmap(lambda a, idx: a[:, idx], in_axes=(1, 0), out_axes=1)
-        ks, vs = take(ks, keep), take(vs, keep)
-    return _write_block(cache, ks, vs, slots, starts)
+        ks, vs = jax.tree_util.tree_map(lambda a: take(a, keep), (ks, vs))
+    return _write_block(cache, ks, vs, slots, starts, counts)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -816,6 +944,9 @@ def commit_kv(
     so reading all sources before writing is safe.
     """
     del num  # positions past the accepted path are beyond the new length: free to overwrite
+    if cache.lin is not None:
+        raise ValueError("commit_kv moves K/V only; a hybrid model's linear-layer state is "
+                         "committed by write_kv(..., counts=...) from the verify block")  # fmt: skip
     safe_slots = jnp.clip(slots, 0, cache.num_slots - 1)
     src_pos = jnp.clip(cache_lens[:, None] + src, 0, cache.max_len - 1)  # [B, P]
 

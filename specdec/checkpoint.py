@@ -34,7 +34,13 @@ _MODEL_TYPES = {
     "qwen3": Architecture.QWEN3,
     "qwen3_moe": Architecture.QWEN3_MOE,
     "deepseek_v3": Architecture.DEEPSEEK_V3,
+    "qwen3_5_text": Architecture.QWEN3_5,
+    "qwen3_next": Architecture.QWEN3_NEXT,
 }
+# Families whose RMSNorm weights are stored zero-centred (the norm multiplies by
+# 1 + w): held here as 1 + w, so one norm serves every model.
+_ZERO_CENTRED = (Architecture.QWEN3_5, Architecture.QWEN3_NEXT)
+_ZERO_CENTRED_KEYS = ("attn_norm", "mlp_norm", "q_norm", "k_norm")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -127,6 +133,49 @@ def _deepseek_v3(hf: dict) -> dict:
     )
 
 
+def _hybrid(hf: dict, arch: Architecture) -> dict:
+    """ModelConfig fields of a Qwen3.5 (text) / Qwen3-Next config: gated DeltaNet and
+    gated full-attention layers per `layer_types`, partial RoPE, and for Qwen3-Next
+    (with experts) sparse MoE layers with a gated shared expert."""
+    n = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if types is None:  # transformers' default: every full_attention_interval-th layer
+        every = int(hf.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                 for i in range(n)]  # fmt: skip
+    params = hf.get("rope_parameters") or {}
+    factor = hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 0.25))
+    fields = dict(
+        layer_types=tuple(types),
+        linear_num_key_heads=int(hf.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(hf.get("linear_num_value_heads", 32)),
+        linear_key_head_dim=int(hf.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(hf.get("linear_value_head_dim", 128)),
+        linear_conv_kernel_dim=int(hf.get("linear_conv_kernel_dim", 4)),
+        attn_output_gate=True,
+        partial_rotary_factor=float(factor),
+        qk_norm=True,
+    )
+    experts = int(hf.get("num_experts") or 0) if arch == Architecture.QWEN3_NEXT else 0
+    if not experts:
+        return fields
+    if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
+        raise ValueError(
+            "Qwen3-Next with dense layers mixed in (decoder_sparse_step != 1 or "
+            "mlp_only_layers) is not supported; every layer must be sparse."
+        )
+    shared = int(hf.get("shared_expert_intermediate_size") or 0)
+    return fields | dict(
+        num_experts=experts,
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=shared,
+        n_shared_experts=1 if shared else 0,
+        shared_expert_gate=bool(shared),
+    )
+
+
 def config_from_hf(hf: dict) -> ModelConfig:
     """Builds a `ModelConfig` from a parsed Hugging Face `config.json`."""
     names = hf.get("architectures") or []
@@ -173,6 +222,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
     )
     if arch == Architecture.DEEPSEEK_V3:
         fields |= _deepseek_v3(hf)
+    if arch in (Architecture.QWEN3_5, Architecture.QWEN3_NEXT):
+        fields |= _hybrid(hf, arch)
+    else:
+        fields["qk_norm"] = arch in (Architecture.QWEN3, Architecture.QWEN3_MOE)
     return ModelConfig(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
@@ -187,7 +240,6 @@ def config_from_hf(hf: dict) -> ModelConfig:
         sliding_window=int(sliding) if sliding else None,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=arch == Architecture.QWEN2 or bool(hf.get("attention_bias", False)),
-        qk_norm=arch in (Architecture.QWEN3, Architecture.QWEN3_MOE),
         **moe,
         **fields,
     )
@@ -268,6 +320,8 @@ def config_to_hf(cfg: ModelConfig, **extra) -> dict:
         hf["sliding_window"] = cfg.sliding_window
     if cfg.architecture == Architecture.DEEPSEEK_V3:
         return hf | _deepseek_v3_to_hf(cfg) | extra
+    if cfg.architecture in _ZERO_CENTRED:
+        return hf | _hybrid_to_hf(cfg) | extra
     if cfg.is_moe:
         hf |= {
             "num_experts": cfg.num_experts,
@@ -278,6 +332,31 @@ def config_to_hf(cfg: ModelConfig, **extra) -> dict:
             "mlp_only_layers": [],
         }
     return hf | extra
+
+
+def _hybrid_to_hf(cfg: ModelConfig) -> dict:
+    """Qwen3.5 (text) / Qwen3-Next config.json fields."""
+    hf = {
+        "layer_types": list(cfg.layer_types or ["full_attention"] * cfg.num_layers),
+        "linear_num_key_heads": cfg.linear_num_key_heads,
+        "linear_num_value_heads": cfg.linear_num_value_heads,
+        "linear_key_head_dim": cfg.linear_key_head_dim,
+        "linear_value_head_dim": cfg.linear_value_head_dim,
+        "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                            "partial_rotary_factor": cfg.partial_rotary_factor},
+    }  # fmt: skip
+    if cfg.architecture == Architecture.QWEN3_NEXT:
+        hf |= {
+            "num_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.num_experts_per_tok or 1,
+            "moe_intermediate_size": cfg.moe_intermediate_size or 1,
+            "shared_expert_intermediate_size": cfg.shared_intermediate,
+            "norm_topk_prob": cfg.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+    return hf
 
 
 def _deepseek_v3_to_hf(cfg: ModelConfig) -> dict:
@@ -337,6 +416,86 @@ _LAYER_TENSORS = (
     ("wkv_a", "self_attn.kv_a_proj_with_mqa.weight", True),
     ("kv_a_norm", "self_attn.kv_a_layernorm.weight", False),
 )
+# Gated DeltaNet layers (Qwen3.5's separate projections) and Qwen3-Next's shared
+# expert gate.
+_HYBRID_TENSORS = (
+    ("w_qkv", "linear_attn.in_proj_qkv.weight", True),
+    ("w_z", "linear_attn.in_proj_z.weight", True),
+    ("w_b", "linear_attn.in_proj_b.weight", True),
+    ("w_a", "linear_attn.in_proj_a.weight", True),
+    ("dt_bias", "linear_attn.dt_bias", False),
+    ("a_log", "linear_attn.A_log", False),
+    ("lin_norm", "linear_attn.norm.weight", False),
+    ("w_out", "linear_attn.out_proj.weight", True),
+    ("s_router", "mlp.shared_expert_gate.weight", True),
+)
+_CONV = "linear_attn.conv1d.weight"  # [C, 1, K]; ours conv [K, C]
+# Qwen3-Next fuses q|k|v|z and b|a per key head: [Hk, (dk, dk, r dv, r dv)] rows and
+# [Hk, (r, r)] rows (r = value heads per key head).
+_QKVZ, _BA = "linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"
+_Q_PROJ = "self_attn.q_proj.weight"  # gated attention: per head [q (hd), gate (hd)] rows
+
+
+def _layer_tensors(cfg: ModelConfig) -> tuple:
+    """(our key, HF name, transpose?) of the tensors that map one to one."""
+    table = _LAYER_TENSORS + _HYBRID_TENSORS
+    if cfg.attn_output_gate:  # wq and wg are one HF tensor (`_Q_PROJ`)
+        table = tuple(t for t in table if t[0] != "wq")
+    if cfg.architecture == Architecture.QWEN3_NEXT:
+        fused = ("w_qkv", "w_z", "w_b", "w_a")
+        table = tuple(
+            (k, n.replace("shared_experts.", "shared_expert."), t)
+            for k, n, t in table if k not in fused
+        )  # fmt: skip
+    return table
+
+
+def _special_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """HF shapes of layer i's tensors that are not one to one with ours."""
+    layer, out = cfg.layer_shapes(i), {}
+    if "conv" in layer:
+        taps, c = layer["conv"]
+        out[_CONV] = (c, 1, taps)
+        if cfg.architecture == Architecture.QWEN3_NEXT:
+            kd, vd, _ = cfg.linear_dims
+            out[_QKVZ] = (2 * kd + 2 * vd, cfg.hidden_size)
+            out[_BA] = (2 * cfg.linear_num_value_heads, cfg.hidden_size)
+    if "wg" in layer:
+        out[_Q_PROJ] = (2 * layer["wq"][1], cfg.hidden_size)
+    return out
+
+
+def _qkvz_split(cfg: ModelConfig, qkvz: np.ndarray, ba: np.ndarray) -> dict:
+    """Qwen3-Next's per-key-head fused rows -> our w_qkv, w_z, w_b, w_a ([in, out])."""
+    hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = cfg.linear_num_value_heads // hk
+    w = qkvz.reshape(hk, 2 * dk + 2 * r * dv, -1)
+    q, k = w[:, :dk], w[:, dk : 2 * dk]
+    v, z = w[:, 2 * dk : 2 * dk + r * dv], w[:, 2 * dk + r * dv :]
+    flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
+    bav = ba.reshape(hk, 2 * r, -1)
+    return {
+        "w_qkv": np.concatenate([flat(q), flat(k), flat(v)]).T,
+        "w_z": flat(z).T,
+        "w_b": flat(bav[:, :r]).T,
+        "w_a": flat(bav[:, r:]).T,
+    }
+
+
+def _qkvz_join(cfg: ModelConfig, lp: dict) -> tuple[np.ndarray, np.ndarray]:
+    """`_qkvz_split`'s inverse: (in_proj_qkvz, in_proj_ba) [out, in]."""
+    hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = cfg.linear_num_value_heads // hk
+    kd = hk * dk
+    qkv = lp["w_qkv"].T
+    q, k, v = (qkv[:kd].reshape(hk, dk, -1), qkv[kd : 2 * kd].reshape(hk, dk, -1),
+               qkv[2 * kd :].reshape(hk, r * dv, -1))  # fmt: skip
+    z = lp["w_z"].T.reshape(hk, r * dv, -1)
+    qkvz = np.concatenate([q, k, v, z], axis=1).reshape(-1, qkv.shape[-1])
+    ba = np.concatenate([lp["w_b"].T.reshape(hk, r, -1), lp["w_a"].T.reshape(hk, r, -1)], 1)
+    return qkvz, ba.reshape(-1, qkv.shape[-1])
+
+
 # MLA's key and value up-projections (our w_uk, w_uv) are one HF tensor
 # [H * (nope + v), kv_lora_rank]: per head, nope key rows then v value rows.
 _KV_B = "self_attn.kv_b_proj.weight"
@@ -355,10 +514,12 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         out["lm_head.weight"] = ours["lm_head"][::-1]
     for i in range(cfg.num_layers):
         layer = cfg.layer_shapes(i)
-        for key, name, transpose in _LAYER_TENSORS:
+        for key, name, transpose in _layer_tensors(cfg):
             if key in layer:
                 shape = layer[key]
                 out[f"model.layers.{i}.{name}"] = shape[::-1] if transpose else shape
+        for name, shape in _special_shapes(cfg, i).items():
+            out[f"model.layers.{i}.{name}"] = shape
         if "w_uk" in layer:
             width = cfg.qk_nope_head_dim + cfg.v_head_dim
             out[f"model.layers.{i}.{_KV_B}"] = (cfg.num_heads * width, cfg.kv_lora_rank)
@@ -525,6 +686,8 @@ def load_model(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCo
         "final_norm": raw.pop("model.norm.weight"),
         "layers": layers,
     }
+    if cfg.architecture in _ZERO_CENTRED:
+        params["final_norm"] = params["final_norm"] + params["final_norm"].dtype.type(1)
     if not cfg.tie_word_embeddings:
         params["lm_head"] = raw.pop("lm_head.weight").T
     to_jax = lambda a: jnp.asarray(a, dtype=jdtype)  # noqa: E731
@@ -550,10 +713,22 @@ def _layer_from_hf(cfg: ModelConfig, i: int, raw: dict, interleaved: bool) -> di
     layer = cfg.layer_shapes(i)
     at = f"model.layers.{i}."
     lp = {}
-    for key, name, transpose in _LAYER_TENSORS:
+    for key, name, transpose in _layer_tensors(cfg):
         if key in layer:
             t = raw.pop(at + name)
             lp[key] = t.T if transpose else t
+    if "conv" in layer:
+        lp["conv"] = np.ascontiguousarray(raw.pop(at + _CONV)[:, 0, :].T)
+        if cfg.architecture == Architecture.QWEN3_NEXT:
+            lp |= _qkvz_split(cfg, raw.pop(at + _QKVZ), raw.pop(at + _BA))
+    if "wg" in layer:
+        q = raw.pop(at + _Q_PROJ).reshape(cfg.num_heads, 2 * cfg.head_dim, -1)
+        lp["wq"] = q[:, : cfg.head_dim].reshape(-1, q.shape[-1]).T
+        lp["wg"] = q[:, cfg.head_dim :].reshape(-1, q.shape[-1]).T
+    if cfg.architecture in _ZERO_CENTRED:
+        for key in _ZERO_CENTRED_KEYS:
+            if key in lp:
+                lp[key] = lp[key] + lp[key].dtype.type(1)
     if "w_uk" in layer:
         nope, c = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         kv_b = raw.pop(at + _KV_B).T.reshape(c, cfg.num_heads, nope + cfg.v_head_dim)
@@ -584,6 +759,8 @@ def to_hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
         "model.embed_tokens.weight": get(params["embed"]),
         "model.norm.weight": get(params["final_norm"]),
     }
+    if cfg.architecture in _ZERO_CENTRED:
+        out["model.norm.weight"] = out["model.norm.weight"] - 1
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = get(params["lm_head"]).T
     stacked = params["layers"]
@@ -593,9 +770,20 @@ def to_hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
         else:
             lp = {k: get(v[i]) for k, v in stacked.items()}
         at = f"model.layers.{i}."
-        for key, name, transpose in _LAYER_TENSORS:
+        if cfg.architecture in _ZERO_CENTRED:
+            lp |= {k: lp[k] - 1 for k in _ZERO_CENTRED_KEYS if k in lp}
+        for key, name, transpose in _layer_tensors(cfg):
             if key in lp:
                 out[at + name] = lp[key].T if transpose else lp[key]
+        if "conv" in lp:
+            out[at + _CONV] = lp["conv"].T[:, None, :]
+            if cfg.architecture == Architecture.QWEN3_NEXT:
+                out[at + _QKVZ], out[at + _BA] = _qkvz_join(cfg, lp)
+        if "wg" in lp:
+            hd = cfg.head_dim
+            q = lp["wq"].T.reshape(cfg.num_heads, hd, -1)
+            g = lp["wg"].T.reshape(cfg.num_heads, hd, -1)
+            out[at + _Q_PROJ] = np.concatenate([q, g], axis=1).reshape(-1, q.shape[-1])
         if "w_uk" in lp:  # [H, c, nope] + [H, c, v] -> [H * (nope + v), c]
             kv_b = np.concatenate([lp["w_uk"], lp["w_uv"]], axis=-1).transpose(1, 0, 2)
             out[at + _KV_B] = kv_b.reshape(cfg.kv_lora_rank, -1).T

@@ -106,7 +106,8 @@ def commit_path(
     """
     root = jnp.zeros((accepted_nodes.shape[0], 1), accepted_nodes.dtype)  # N may be 0
     keep = jnp.concatenate([root, jnp.maximum(accepted_nodes + 1, 0)], axis=1)
-    return transformer.write_kv(cache, ks, vs, slots, cache_lens, keep)
+    counts = 1 + jnp.sum(accepted_nodes >= 0, axis=1, dtype=jnp.int32)  # root + accepted
+    return transformer.write_kv(cache, ks, vs, slots, cache_lens, keep, counts)
 
 
 @functools.partial(jax.jit)

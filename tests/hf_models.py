@@ -108,6 +108,25 @@ _DEEPSEEK_V3 = dict(
     },
 )
 
+# Hybrid linear attention: gated DeltaNet layers (2 key heads serving 4 value heads, a
+# 4-tap convolution) and gated full attention with partial RoPE (a quarter of 16 dims).
+_QWEN3_5 = dict(
+    _COMMON,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    vocab_size=200,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    linear_conv_kernel_dim=4,
+)
+
 VARIANTS: dict[str, Variant] = {
     "llama": Variant("llama", _LLAMA),
     # MHA (kv heads == heads) and a shared embedding / LM head matrix.
@@ -189,6 +208,22 @@ VARIANTS: dict[str, Variant] = {
         ),
         seed=11,
     ),  # fmt: skip
+    "qwen3_5": Variant("qwen3_5", _QWEN3_5, seed=12),
+    # Qwen3-Next: fused q|k|v|z and b|a projections, sparse MoE with a gated shared
+    # expert; three linear layers before the full one (transformers' default pattern).
+    "qwen3_next": Variant(
+        "qwen3_next",
+        dict(
+            _QWEN3_5,
+            layer_types=None,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=True,
+        ),
+        seed=13,
+    ),
 }
 
 
@@ -202,6 +237,8 @@ def _classes(family: str):
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+        "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
     }[family]
 
 

@@ -35,6 +35,27 @@ CONFIGS = {
                                  original_max_position_embeddings=16, mscale=1.0,
                                  mscale_all_dim=0.7),
     ),
+    # Hybrid linear attention (Qwen3.5): gated DeltaNet layers around a gated
+    # full-attention layer with partial RoPE; 2 key heads serve 4 value heads.
+    "qwen3_5_hybrid": ModelConfig(
+        vocab_size=80, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+        num_kv_heads=2, head_dim=16, architecture=Architecture.QWEN3_5, qk_norm=True,
+        attn_output_gate=True, partial_rotary_factor=0.25,
+        layer_types=("linear_attention", "full_attention", "linear_attention"),
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=6, linear_conv_kernel_dim=4,
+    ),
+    # Qwen3-Next: the same mixers with sparse MoE and a gated shared expert.
+    "qwen3_next_hybrid": ModelConfig(
+        vocab_size=80, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, architecture=Architecture.QWEN3_NEXT, qk_norm=True,
+        attn_output_gate=True, partial_rotary_factor=0.5,
+        layer_types=("linear_attention", "full_attention"),
+        linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=3, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+        n_shared_experts=1, shared_expert_intermediate_size=24, shared_expert_gate=True,
+    ),
 }  # fmt: skip
 
 
@@ -91,7 +112,7 @@ def test_tree_forward_matches_path_decode(name, seed):
 
     # Tree forward over [root, nodes] after prefilling the committed tokens.
     cache = T.KVCache.create(cfg, 2, MAX_LEN)
-    cache = cache.__class__(k=cache.k.at[:].set(jnp.nan), v=cache.v.at[:].set(jnp.nan))
+    cache = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), cache)
     slots = jnp.array([1], jnp.int32)  # a non-zero slot, NaN everywhere unused
     c = len(committed)
     _, cache = T.forward_block(
@@ -119,6 +140,76 @@ def test_tree_forward_matches_path_decode(name, seed):
             j = int(parents[j])
         ref = decode_path_logits(params, cfg, committed, [root] + path[::-1])[-1]
         np.testing.assert_allclose(logits[i + 1], ref, atol=1e-5, rtol=0)
+
+
+def full_tree(depth: int, children: int) -> np.ndarray:
+    """parents of a complete tree (every node above `depth` has `children` children),
+    in breadth-first (topological) order; -1 = child of root."""
+    parents, level = [], [-1]
+    for _ in range(depth):
+        nxt = []
+        for p in level:
+            for _ in range(children):
+                parents.append(p)
+                nxt.append(len(parents) - 1)
+        level = nxt
+    return np.array(parents, np.int32)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_hybrid",
+                                  pytest.param("qwen3_next_hybrid", marks=pytest.mark.slow)])
+def test_hybrid_tree_verify_and_commit_match_path_decode(name):
+    """Linear-attention layers in one tree pass: each node of a depth-4 binary tree sees
+    its own path's recurrent and convolution state (logits equal decoding that path);
+    committing an accepted path (whole, or cut short) leaves the state plain decoding of
+    it leaves: the next token's logits agree."""
+    cfg = CONFIGS[name]
+    rng = np.random.default_rng(5)
+    params = _scaled(T.init_params(cfg, jax.random.key(5)))
+    committed = rng.integers(0, cfg.vocab_size, 5).tolist()
+    root = int(rng.integers(0, cfg.vocab_size))
+    parents = full_tree(4, 2)  # 30 nodes
+    n = len(parents)
+    tokens = rng.integers(0, cfg.vocab_size, n).astype(np.int32)
+    cache = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), T.KVCache.create(cfg, 2, 64))
+    slots, c = jnp.array([1], jnp.int32), len(committed)
+    _, cache = T.forward_block(
+            params, cache, jnp.asarray([committed], jnp.int32),
+            jnp.arange(c, dtype=jnp.int32)[None], T.causal_block_mask(jnp.array([c]), c),
+            slots, jnp.zeros(1, jnp.int32), cfg=cfg,
+        )  # fmt: skip
+    block, positions, mask = tree_block(
+        jnp.array([root], jnp.int32), jnp.asarray(tokens[None]), jnp.asarray(parents[None]),
+        jnp.array([c], jnp.int32),
+    )  # fmt: skip
+    lens = jnp.array([c], jnp.int32)
+    logits, ks, vs = T.block_logits_kv(params, cache, block, positions, mask, slots, lens, cfg=cfg)
+    logits = np.asarray(logits[0])
+
+    def path_of(i):
+        path = []
+        while i >= 0:
+            path.append(i)
+            i = int(parents[i])
+        return path[::-1]
+
+    for i in range(n):
+        want = decode_path_logits(params, cfg, committed, [root, *tokens[path_of(i)]])[-1]
+        np.testing.assert_allclose(logits[i + 1], want, atol=1e-5, rtol=0)
+
+    nxt = int(rng.integers(0, cfg.vocab_size))
+    for leaf, keep_n in ((n - 1, 4), (n - 5, 2), (0, 0)):
+        path = path_of(leaf)[:keep_n]
+        keep = jnp.asarray([[0, *[j + 1 for j in path], *[0] * (4 - len(path))]], jnp.int32)
+        counts = jnp.array([1 + len(path)], jnp.int32)
+        after = T.write_kv(jax.tree.map(jnp.copy, cache), ks, vs, slots, lens, keep, counts)
+        m = c + 1 + len(path)
+        got, _ = T.forward_block(
+            params, after, jnp.array([[nxt]], jnp.int32), jnp.array([[m]], jnp.int32),
+            jnp.ones((1, 1, 1), bool), slots, jnp.array([m], jnp.int32), cfg=cfg,
+        )  # fmt: skip
+        want = decode_path_logits(params, cfg, committed, [root, *tokens[path], nxt])[-1]
+        np.testing.assert_allclose(np.asarray(got[0, 0]), want, atol=1e-5, rtol=0)
 
 
 def _scaled(params):

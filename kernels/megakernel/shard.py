@@ -78,6 +78,12 @@ def check_shardable(cfg: ModelConfig, n: int, *, tpu: bool = False) -> None:
             f"The verify megakernel covers grouped-query attention only; {cfg.architecture.value} "
             f"with multi-head latent attention must use kernel='xla'."
         )
+    if cfg.is_hybrid or cfg.attn_output_gate or cfg.rotary_dim != cfg.head_dim:
+        raise ValueError(
+            f"The verify megakernel does not cover {cfg.architecture.value}'s linear-attention "
+            f"(gated DeltaNet), gated or partially rotated attention layers yet; use "
+            f"kernel='xla'."
+        )
     if cfg.is_moe:
         raise ValueError(
             f"The verify megakernel covers dense models only; {cfg.architecture.value} with "
