@@ -49,6 +49,8 @@ GENERATE_VARIANTS = [
     "qwen3_moe",
     "deepseek_v3",
     "deepseek_v3_plain",
+    "qwen3_5",
+    "qwen3_next",
 ]
 
 
@@ -67,7 +69,7 @@ def _prefill(cfg, params, prompts) -> np.ndarray:
 
 
 # The quick subset keeps one variant per loader family; CI runs all of them.
-QUICK_PREFILL = {"llama", "mistral_swa", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"}
+QUICK_PREFILL = {"llama", "mistral_swa", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5"}
 
 
 @pytest.mark.parametrize(
@@ -102,6 +104,7 @@ def test_prefill_logits_match_hf(hf_zoo, name):
         ("mistral_swa", {"sliding_window": None}),
         pytest.param("deepseek_v3", {"rope_scaling": None}, marks=pytest.mark.slow),
         pytest.param("deepseek_v3", {"n_group": 1, "topk_group": 1}, marks=pytest.mark.slow),
+        ("qwen3_5", {"partial_rotary_factor": 1.0}),
     ],
 )
 def test_parity_inputs_exercise_the_feature(hf_zoo, name, change):
@@ -118,6 +121,21 @@ def test_parity_inputs_exercise_the_feature(hf_zoo, name, change):
     without = _prefill(dataclasses.replace(cfg, **change), params, prompts)
     last = len(prompts) - 1  # the unpadded row
     assert np.abs(with_feature[last] - without[last]).max() > 100 * LOGIT_ATOL
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", pytest.param("qwen3_next", marks=pytest.mark.slow)])
+def test_prefill_in_chunks_carries_the_linear_state(hf_zoo, name):
+    """A prompt longer than one prefill chunk: each chunk starts from the recurrent and
+    convolution state the previous one committed (chunks of 16 over 61 tokens, with a
+    padded last chunk), and its last logits equal transformers' on the whole prompt."""
+    from specdec.kernels.runner import ModelRunner
+
+    cfg, params = _load(hf_zoo[name])
+    runner = ModelRunner(cfg, params, num_slots=2, max_len=96, prefill_chunk=16)
+    prompt = hf_models.random_prompts((61,), cfg.vocab_size, seed=_seed(name) + 2)[0]
+    got = runner.prefill([1], [prompt])[0]
+    want = hf_models.hf_logits(hf_zoo.torch_model(name), prompt)[-1]
+    assert np.abs(got - want).max() <= LOGIT_ATOL
 
 
 @pytest.mark.slow
