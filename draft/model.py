@@ -92,6 +92,13 @@ class ModelDrafter:
         vocab_limit: int | None = None,
         num_blocks: int | None = None,  # paged KV pool (`blocks.num_blocks_for`); None = all
     ):
+        if cfg.is_hybrid:
+            raise ValueError(
+                f"A draft model with linear-attention layers ({cfg.architecture.value}) is not "
+                "supported yet: the drafter grows trees level by level in side buffers, which "
+                "hold attention K/V only. Use a dense draft (every layer full attention) or "
+                "another method."
+            )
         self.cfg = cfg
         if num_nodes <= max_depth:
             # The greedy chain is always kept first, so N <= depth nodes are its first N:

@@ -146,9 +146,12 @@ def shard_cache(cfg: ModelConfig, cache: KVCache | PagedKVCache, mesh: Mesh):
     paged = isinstance(cache, PagedKVCache)
     sharding = NamedSharding(mesh, cache_spec(cfg, mesh.shape[AXIS], paged))
     k, v = jax.device_put(cache.k, sharding), jax.device_put(cache.v, sharding)
+    # A hybrid model's linear-layer states are small next to K/V: every device holds
+    # them (GSPMD keeps the maths the same whatever it splits).
+    lin = None if cache.lin is None else jax.tree.map(lambda a: replicate(a, mesh), cache.lin)
     if paged:
-        return PagedKVCache(k=k, v=v, table=replicate(cache.table, mesh))
-    return KVCache(k=k, v=v)
+        return PagedKVCache(k=k, v=v, table=replicate(cache.table, mesh), lin=lin)
+    return KVCache(k=k, v=v, lin=lin)
 
 
 def replicate(x: jax.Array, mesh: Mesh) -> jax.Array:

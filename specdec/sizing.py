@@ -80,7 +80,8 @@ def _time(f, x, repeats: int = 5) -> float:
 def weight_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     """The [in, out] matrices one decode step multiplies by: per layer the fused
     QKV (MLA: its query and latent projections, the per-head up-projections as one
-    matrix each), output, gate+up and down projections (an MoE layer: its routed
+    matrix each; a linear-attention layer: its q|k|v|z|b|a and output projections),
+    output, gate+up and down projections (an MoE layer: its routed
     and shared experts' share, top-k experts wide), then the LM head."""
     d, hd, h = cfg.hidden_size, cfg.head_dim, cfg.num_heads
     if cfg.is_mla:
@@ -91,13 +92,17 @@ def weight_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
                 (h * cfg.v_head_dim, d)]  # fmt: skip
     else:
         attn = [(d, (h + 2 * cfg.num_kv_heads) * hd), (h * hd, d)]
+    if cfg.attn_output_gate:  # the gate's columns come with the query's
+        attn = [(d, (2 * h + 2 * cfg.num_kv_heads) * hd), (h * hd, d)]
+    kd, vd, cd = cfg.linear_dims
+    linear = [(d, cd + vd + 2 * cfg.linear_num_value_heads), (vd, d)]  # qkv|z|b|a, out
     shapes = []
     for i in range(cfg.num_layers):
         if cfg.moe_layer(i):
-            ffn = cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts)
+            ffn = cfg.moe_intermediate_size * cfg.num_experts_per_tok + cfg.shared_intermediate
         else:
             ffn = cfg.intermediate_size
-        shapes += [*attn, (d, 2 * ffn), (ffn, d)]
+        shapes += [*(linear if cfg.linear_layer(i) else attn), (d, 2 * ffn), (ffn, d)]
     return shapes + [(d, cfg.vocab_size)]
 
 

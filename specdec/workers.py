@@ -233,6 +233,19 @@ def kv_pool(
         per_token += transformer.token_bytes(draft_cfg, cdtype)
     if budget is None:
         budget = blocks.default_budget()
+    if budget is not None and cfg.is_hybrid:
+        # A hybrid target's linear layers hold a fixed state per slot, allocated for
+        # every slot up front: it takes at most half the budget (fewer slots if
+        # needed), K/V blocks the rest.
+        from specdec.kernels import linear_attention
+
+        state = linear_attention.bytes_per_slot(cfg, jnp.float32)
+        fit = max(1, (budget // 2) // state)
+        if fit < num_slots:
+            logger.info("KV budget holds the linear-attention state of %d slots "
+                        "(max_num_seqs=%d)", fit, num_slots)  # fmt: skip
+            num_slots = fit
+        budget -= num_slots * state
     if kernel == "megakernel":
         if budget is None:
             return num_slots, None
@@ -241,7 +254,12 @@ def kv_pool(
             logger.info("KV budget holds %d megakernel slots of %d positions (max_num_seqs=%d)",
                         fit, max_len, num_slots)  # fmt: skip
         return min(num_slots, fit), None
-    n = blocks.num_blocks_for(budget, per_token, num_slots=num_slots, max_len=max_len)
+    try:
+        n = blocks.num_blocks_for(budget, per_token, num_slots=num_slots, max_len=max_len)
+    except ValueError as e:
+        if not cfg.is_hybrid:
+            raise
+        raise ValueError(f"After the linear-attention state of {num_slots} slots, {e}") from None
     return num_slots, n
 
 

@@ -133,3 +133,79 @@ def test_first_two_tokens_match_the_hybrid_target_marginals(tmp_path):
     assert chi2_pvalue(c1, p1) > 1e-3
     assert chi2_pvalue(c2, p2) > 1e-3
     assert 0.5 * np.abs(c2 / n - p2).sum() < 3 * math.sqrt(v / n)
+
+
+def test_chunked_form_equals_the_recurrence():
+    """`gated_delta_block` over a chain (causal mask) from a non-zero state equals the
+    gated delta rule applied token by token, outputs and final state
+    (`commit_states`)."""
+    import jax.numpy as jnp
+
+    from specdec.kernels import linear_attention as la
+
+    rng = np.random.default_rng(0)
+    b, n, h, dk, dv = 2, 40, 3, 8, 5
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    q, k = la.l2norm(f(b, n, h, dk)) * dk**-0.5, la.l2norm(f(b, n, h, dk))
+    v, s0 = f(b, n, h, dv), f(b, h, dk, dv)
+    g = -jnp.abs(f(b, n, h)) * 0.3
+    beta = jax.nn.sigmoid(f(b, n, h))
+    path = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
+    o, u, big_g = la.gated_delta_block(q, k, v, g, beta, s0, path)
+
+    s, outs = s0, []
+    for t in range(n):
+        s = s * jnp.exp(g[:, t])[..., None, None]
+        delta = (v[:, t] - jnp.einsum("bhkv,bhk->bhv", s, k[:, t])) * beta[:, t][..., None]
+        s = s + k[:, t][..., None] * delta[..., None, :]
+        outs.append(jnp.einsum("bhkv,bhk->bhv", s, q[:, t]))
+    np.testing.assert_allclose(np.asarray(o), np.stack(outs, 1), atol=1e-4, rtol=1e-4)
+
+    state = la.LinearState(conv=jnp.zeros((1, b, 3, 4)), rec=s0[None])
+    rec = la.LinearBlock(x=jnp.zeros((1, b, n, 4)), k=k[None], u=u[None], g=big_g[None])
+    slots, starts = jnp.arange(b, dtype=jnp.int32), jnp.ones(b, jnp.int32)
+    done = la.commit_states(state, rec, slots, starts, jnp.full(b, n, jnp.int32))
+    np.testing.assert_allclose(np.asarray(done.rec[0]), np.asarray(s), atol=1e-4, rtol=1e-4)
+
+
+def test_guards_name_what_is_wrong():
+    from specdec.kernels.megakernel.shard import check_shardable
+
+    with pytest.raises(ValueError, match="layer_types must list 4 entries"):
+        hybrid_config(64, layer_types=("linear_attention",) * 3)
+    with pytest.raises(ValueError, match="one of"):
+        hybrid_config(64, layer_types=("linear_attention", "mamba") * 2)
+    with pytest.raises(ValueError, match="multiple of linear_num_key_heads"):
+        hybrid_config(64, linear_num_key_heads=3)
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        hybrid_config(64, partial_rotary_factor=0.05)
+    with pytest.raises(ValueError, match="linear-attention.*kernel='xla'"):
+        check_shardable(hybrid_config(64), 1)
+
+
+def test_a_hybrid_draft_is_refused_with_a_clear_error(tmp_path):
+    cfg = hybrid_config(write_tokenizer(tmp_path / "tok"))
+    target, _ = write_pair(tmp_path, cfg, seed=0, scale=1.0)
+    for f in (tmp_path / "tok").iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    spec = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 4}
+    with pytest.raises(ValueError, match="draft model with linear-attention layers"):
+        LLM(target, max_model_len=32, max_num_seqs=2, speculative_config=spec)
+
+
+def test_the_kv_budget_counts_the_linear_state():
+    """The per-slot recurrent state comes out of `kv_cache_memory` before K/V blocks,
+    and caps the slots when it would take more than half."""
+    from specdec.kernels import linear_attention as la
+    from specdec.workers import kv_pool
+
+    cfg = hybrid_config(64)
+    state = la.bytes_per_slot(cfg, np.float32)
+    assert state == 2 * (3 * (2 * 16 + 32) * 4 + 4 * 8 * 8 * 4)
+    budget, block = 200_000, 16 * 2 * 2 * 2 * 16 * 4  # 16 positions of 2 layers' K and V
+    slots, blocks = kv_pool(cfg, None, "float32", budget=budget, num_slots=256, max_len=32,
+                            kernel="xla")  # fmt: skip
+    assert slots == (budget // 2) // state < 256
+    assert blocks == (budget - slots * state) // block
+    with pytest.raises(ValueError, match="After the linear-attention state of 1 slots"):
+        kv_pool(cfg, None, "float32", budget=2 * state, num_slots=8, max_len=32, kernel="xla")
