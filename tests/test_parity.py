@@ -104,7 +104,7 @@ def test_prefill_logits_match_hf(hf_zoo, name):
         ("mistral_swa", {"sliding_window": None}),
         pytest.param("deepseek_v3", {"rope_scaling": None}, marks=pytest.mark.slow),
         pytest.param("deepseek_v3", {"n_group": 1, "topk_group": 1}, marks=pytest.mark.slow),
-        ("qwen3_5", {"partial_rotary_factor": 1.0}),
+        pytest.param("qwen3_5", {"partial_rotary_factor": 1.0}, marks=pytest.mark.slow),
     ],
 )
 def test_parity_inputs_exercise_the_feature(hf_zoo, name, change):
