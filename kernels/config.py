@@ -25,6 +25,7 @@ class Architecture(enum.StrEnum):
     DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
     QWEN3_5 = "Qwen3_5ForCausalLM"
     QWEN3_NEXT = "Qwen3NextForCausalLM"
+    KIMI_LINEAR = "KimiLinearForCausalLM"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +145,11 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4  # taps of the short causal convolution
+    # "gated_deltanet" (Qwen3.5 / Qwen3-Next: one decay per head, SiLU output gate) or
+    # "kda" (Kimi Delta Attention: one decay per key channel, sigmoid output gate,
+    # low-rank forget and output gates; as many value heads as key heads).
+    linear_kind: Literal["gated_deltanet", "kda"] = "gated_deltanet"
+    use_rope: bool = True  # False: attention without positions (Kimi Linear's MLA)
     attn_output_gate: bool = False  # attention output times sigmoid(x @ wg) (Qwen3.5)
     partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim x this dims
     shared_expert_intermediate_size: int = 0  # 0 = n_shared_experts x moe_intermediate_size
@@ -248,12 +254,21 @@ class ModelConfig:
                 f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple "
                 f"of linear_num_key_heads ({self.linear_num_key_heads})."
             )
+        if self.linear_kind not in ("gated_deltanet", "kda"):
+            raise ValueError(
+                f"linear_kind must be 'gated_deltanet' or 'kda', got {self.linear_kind!r}."
+            )
+        if self.linear_kind == "kda" and (
+            self.linear_num_key_heads != self.linear_num_value_heads
+            or self.linear_key_head_dim != self.linear_value_head_dim
+        ):
+            raise ValueError("kda layers have as many value heads as key heads, of one width.")
         if self.linear_conv_kernel_dim < 2:
             raise ValueError(
                 f"linear_conv_kernel_dim must be >= 2, got {self.linear_conv_kernel_dim}."
             )
-        if self.sliding_window is not None or self.is_mla:
-            raise ValueError("linear-attention layers do not combine with sliding_window or MLA.")
+        if self.sliding_window is not None:
+            raise ValueError("linear-attention layers do not combine with sliding_window.")
 
     @property
     def is_hybrid(self) -> bool:
@@ -355,7 +370,14 @@ class ModelConfig:
         `kernels/transformer.py`)."""
         d, hd, h = self.hidden_size, self.head_dim, self.num_heads
         layers = {"attn_norm": (d,), "mlp_norm": (d,)}
-        if self.linear_layer(i):
+        if self.linear_layer(i) and self.linear_kind == "kda":
+            kd, vd, cd = self.linear_dims
+            h_l, hd_l = self.linear_num_key_heads, self.linear_key_head_dim
+            layers |= {"w_qkv": (d, cd), "conv": (self.linear_conv_kernel_dim, cd),
+                       "w_b": (d, h_l), "w_fa": (d, hd_l), "w_fb": (hd_l, kd),
+                       "dt_bias": (kd,), "a_log": (h_l,), "w_ga": (d, hd_l),
+                       "w_gb": (hd_l, vd), "lin_norm": (hd_l,), "w_out": (vd, d)}  # fmt: skip
+        elif self.linear_layer(i):
             kd, vd, cd = self.linear_dims
             hv = self.linear_num_value_heads
             layers |= {"w_qkv": (d, cd), "w_z": (d, vd), "w_b": (d, hv), "w_a": (d, hv),

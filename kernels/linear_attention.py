@@ -71,8 +71,8 @@ class LinearBlock:
     [..., B, N, ...]; stacked over linear layers on a leading axis by the forward).
 
     x: [B, N, C] convolution inputs;  k: [B, N, Hv, dk] keys (normalised, per value
-    head);  u: [B, N, Hv, dv] the delta rule's writes;  g: [B, N, Hv] summed log-decay
-    from the committed state along the token's path."""
+    head);  u: [B, N, Hv, dv] the delta rule's writes;  g: [B, N, Hv] (KDA:
+    [B, N, Hv, dk]) summed log-decay from the committed state along the token's path."""
 
     x: jax.Array
     k: jax.Array
@@ -122,28 +122,40 @@ def causal_conv(x, conv_state, conv_w, sources) -> jax.Array:
 def gated_delta_block(q, k, v, g, beta, s0, path) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The chunked form over paths (module docstring) for one block.
 
-    q, k f32[B, N, H, dk] (normalised, q scaled); v f32[B, N, H, dv]; g, beta
-    f32[B, N, H]; s0 f32[B, H, dk, dv]; path bool[B, N, N] (j is i or an ancestor).
-    Returns (o f32[B, N, H, dv], u f32[B, N, H, dv], G f32[B, N, H])."""
+    q, k f32[B, N, H, dk] (normalised, q scaled); v f32[B, N, H, dv]; g f32[B, N, H]
+    (one log-decay per head: gated DeltaNet) or f32[B, N, H, dk] (one per key channel:
+    KDA, where the decays become diagonal matrices and every k_i.k_j, q_i.k_j weighs
+    its channels by their own decay); beta f32[B, N, H]; s0 f32[B, H, dk, dv]; path
+    bool[B, N, N] (j is i or an ancestor).
+    Returns (o f32[B, N, H, dv], u f32[B, N, H, dv], G: g summed along each path)."""
     pf = path.astype(jnp.float32)
-    big_g = jnp.einsum("bij,bjh->bih", pf, g)  # summed log-decay along each path
-    diff = big_g[:, :, None, :] - big_g[:, None, :, :]  # [B, i, j, H]
-    decay = jnp.where(path[..., None], jnp.exp(jnp.where(path[..., None], diff, 0.0)), 0.0)
     n = q.shape[1]
-    strict = decay * (1.0 - jnp.eye(n, dtype=jnp.float32))[None, :, :, None]
-    kk = jnp.einsum("bihd,bjhd->bijh", k, k)
+    channels = g.ndim == 4
+    big_g = jnp.einsum("bij,bjh...->bih...", pf, g)  # summed log-decay along each path
+    diff = big_g[:, :, None] - big_g[:, None, :]  # [B, i, j, H(, dk)]
+    m = path[..., None, None] if channels else path[..., None]
+    decay = jnp.where(m, jnp.exp(jnp.where(m, diff, 0.0)), 0.0)
+    if channels:  # [B, i, j, H, dk]
+        kk = jnp.einsum("bihd,bjhd,bijhd->bijh", k, k, decay)
+        qk = jnp.einsum("bihd,bjhd,bijhd->bijh", q, k, decay)
+        eg = jnp.exp(big_g)  # [B, N, H, dk]
+        ks0 = jnp.einsum("bnhd,bhde->bnhe", k * eg, s0)
+        qs0 = jnp.einsum("bnhd,bhde->bnhe", q * eg, s0)
+    else:
+        kk = jnp.einsum("bihd,bjhd->bijh", k, k) * decay
+        qk = jnp.einsum("bihd,bjhd->bijh", q, k) * decay
+        eg = jnp.exp(big_g)[..., None]  # [B, N, H, 1]
+        ks0 = eg * jnp.einsum("bnhd,bhde->bnhe", k, s0)
+        qs0 = eg * jnp.einsum("bnhd,bhde->bnhe", q, s0)
+    strict = (1.0 - jnp.eye(n, dtype=jnp.float32))[None, :, :, None]
     lower = strict * kk * beta[:, :, None, :]  # L_ij
-    eg = jnp.exp(big_g)  # [B, N, H]
-    ks0 = jnp.einsum("bnhd,bhde->bnhe", k, s0)
-    rhs = beta[..., None] * (v - eg[..., None] * ks0)  # [B, N, H, dv]
+    rhs = beta[..., None] * (v - ks0)  # [B, N, H, dv]
     # (I + L) u = rhs per (b, h): a unit lower-triangular solve.
     a = jnp.eye(n, dtype=jnp.float32)[None, None] + lower.transpose(0, 3, 1, 2)  # [B, H, N, N]
     u = jax.lax.linalg.triangular_solve(
         a, rhs.transpose(0, 2, 1, 3), left_side=True, lower=True, unit_diagonal=True
     ).transpose(0, 2, 1, 3)
-    qk = jnp.einsum("bihd,bjhd->bijh", q, k) * decay
-    o = eg[..., None] * jnp.einsum("bnhd,bhde->bnhe", q, s0)
-    o = o + jnp.einsum("bijh,bjhe->bihe", qk, u)
+    o = qs0 + jnp.einsum("bijh,bjhe->bihe", qk, u)
     return o, u, big_g
 
 
@@ -157,12 +169,15 @@ def commit_states(state: LinearState, lin: LinearBlock, slots, starts, counts) -
     s0 = jnp.where(fresh[..., None, None, None], 0.0, state.rec[:, safe])  # [Ll, B, H, dk, dv]
     c0 = jnp.where(fresh[..., None, None], 0, state.conv[:, safe]).astype(jnp.float32)
     last = jnp.clip(counts - 1, 0, m - 1)
-    g_end = jnp.take_along_axis(lin.g, last[None, :, None, None], axis=2)  # [Ll, B, 1, H]
-    kept = (jnp.arange(m)[None, :] < counts[:, None])[None, :, :, None]  # [1, B, M, 1]
-    w = jnp.where(kept, jnp.exp(jnp.where(kept, g_end - lin.g, 0.0)), 0.0)  # [Ll, B, M, H]
-    rec = jnp.exp(g_end[:, :, 0])[..., None, None] * s0 + jnp.einsum(
-        "lbmh,lbmhd,lbmhe->lbhde", w, lin.k, lin.u
-    )
+    extra = lin.g.ndim - 4  # 1: a decay per key channel (KDA)
+    at = last.reshape(1, b, 1, *[1] * (1 + extra))
+    g_end = jnp.take_along_axis(lin.g, at, axis=2)  # [Ll, B, 1, H(, dk)]
+    kept = (jnp.arange(m)[None, :] < counts[:, None]).reshape(1, b, m, *[1] * (1 + extra))
+    w = jnp.where(kept, jnp.exp(jnp.where(kept, g_end - lin.g, 0.0)), 0.0)  # [Ll, B, M, H(, dk)]
+    decayed = jnp.exp(g_end[:, :, 0])
+    decayed = decayed[..., None] if extra else decayed[..., None, None]
+    spec = "lbmhd,lbmhd,lbmhe->lbhde" if extra else "lbmh,lbmhd,lbmhe->lbhde"
+    rec = decayed * s0 + jnp.einsum(spec, w, lin.k, lin.u)
     taps = state.conv.shape[2] + 1
     seq = jnp.concatenate([c0, lin.x.astype(jnp.float32)], axis=2)  # [Ll, B, K - 1 + M, C]
     idx = counts[:, None] + jnp.arange(taps - 1)[None, :]  # the last K - 1 kept inputs

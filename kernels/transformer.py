@@ -538,10 +538,19 @@ def _deltanet(cfg, lp, h, positions, path, cache_lens, conv0, s0, layout: Layout
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     x = layout.linear(lp, "w_qkv", h)  # [B, N, 2 kd + vd], the convolution's input
-    z = layout.linear(lp, "w_z", h).reshape(b, n, hv, dv)
     beta = jax.nn.sigmoid(layout.linear(lp, "w_b", h))
-    a = layout.linear(lp, "w_a", h) + lp["dt_bias"].astype(jnp.float32)
-    g = -jnp.exp(lp["a_log"].astype(jnp.float32)) * jax.nn.softplus(a)  # log-decay <= 0
+    decay_rate = jnp.exp(lp["a_log"].astype(jnp.float32))
+    if cfg.linear_kind == "kda":  # one decay per key channel, low-rank gates
+        f = layout.linear(lp, "w_fb", layout.linear(lp, "w_fa", h))
+        f = (f + lp["dt_bias"].astype(jnp.float32)).reshape(b, n, hk, dk)
+        g = -decay_rate[:, None] * jax.nn.softplus(f)  # [B, N, H, dk], log-decay <= 0
+        z = layout.linear(lp, "w_gb", layout.linear(lp, "w_ga", h)).reshape(b, n, hv, dv)
+        gate = jax.nn.sigmoid
+    else:
+        z = layout.linear(lp, "w_z", h).reshape(b, n, hv, dv)
+        a = layout.linear(lp, "w_a", h) + lp["dt_bias"].astype(jnp.float32)
+        g = -decay_rate * jax.nn.softplus(a)  # [B, N, Hv], log-decay <= 0
+        gate = jax.nn.silu
     sources = la.ancestor_sources(path, positions, cache_lens, cfg.linear_conv_kernel_dim)
     xc = la.causal_conv(x, conv0, lp["conv"], sources)
     r = hv // hk  # each key head serves r consecutive value heads
@@ -549,7 +558,7 @@ def _deltanet(cfg, lp, h, positions, path, cache_lens, conv0, s0, layout: Layout
     k = jnp.repeat(la.l2norm(xc[..., kd : 2 * kd].reshape(b, n, hk, dk)), r, axis=2)
     v = xc[..., 2 * kd :].reshape(b, n, hv, dv)
     o, u, big_g = la.gated_delta_block(q, k, v, g, beta, s0, path)
-    o = rms_norm(o, lp["lin_norm"], cfg.rms_norm_eps) * jax.nn.silu(z)
+    o = rms_norm(o, lp["lin_norm"], cfg.rms_norm_eps) * gate(z)
     out = layout.linear(lp, "w_out", o.reshape(b, n, vd))
     return out, LinearBlock(x=x, k=k, u=u, g=big_g)
 
@@ -610,9 +619,11 @@ def _mla_qkv(cfg, lp, h, positions, inv_freq, layout: Layout):
     q = q.reshape(b, n, cfg.num_heads, nope + r)
     kv = layout.linear(lp, "wkv_a", h)  # [B, N, c + r]
     latent = rms_norm(kv[..., :c], lp["kv_a_norm"], cfg.rms_norm_eps)
-    scale = rope_scale(cfg)
-    q_rope = apply_rope(q[..., nope:], positions, inv_freq, scale)
-    k_rope = apply_rope(kv[:, :, None, c:], positions, inv_freq, scale)[:, :, 0]
+    q_rope, k_rope = q[..., nope:], kv[:, :, c:]
+    if cfg.use_rope:  # Kimi Linear's MLA has no positions: its "rope" dims stay as they are
+        scale = rope_scale(cfg)
+        q_rope = apply_rope(q_rope, positions, inv_freq, scale)
+        k_rope = apply_rope(k_rope[:, :, None], positions, inv_freq, scale)[:, :, 0]
     q_lat = layout.head_matmul("bnhd,hcd->bnhc", q[..., :nope], lp["w_uk"])  # w_uk [H, c, nope]
     q = jnp.concatenate([q_lat, q_rope], axis=-1) * cfg.softmax_scale
     k = jnp.concatenate([latent, k_rope], axis=-1)[:, :, None]

@@ -36,6 +36,7 @@ _MODEL_TYPES = {
     "deepseek_v3": Architecture.DEEPSEEK_V3,
     "qwen3_5_text": Architecture.QWEN3_5,
     "qwen3_next": Architecture.QWEN3_NEXT,
+    "kimi_linear": Architecture.KIMI_LINEAR,
 }
 # Families whose RMSNorm weights are stored zero-centred (the norm multiplies by
 # 1 + w): held here as 1 + w, so one norm serves every model.
@@ -176,6 +177,74 @@ def _hybrid(hf: dict, arch: Architecture) -> dict:
     )
 
 
+def _kimi_linear(hf: dict) -> dict:
+    """ModelConfig fields of a Kimi Linear config: KDA and MLA layers per `layer_types`
+    (or the checkpoint's 1-indexed `linear_attn_config` lists), MLA without positions,
+    DeepSeek-style sigmoid group-limited routing with shared experts after the first
+    dense layers (`mlp_layer_types`). Accepts transformers' own key names and the
+    checkpoint's (`num_experts_per_token`, `moe_renormalize`, ...)."""
+    get = lambda *keys, default=None: next(  # noqa: E731
+        (hf[k] for k in keys if hf.get(k) is not None), default)
+    n = int(hf["num_hidden_layers"])
+    lin = hf.get("linear_attn_config") or {}
+    types = hf.get("layer_types")
+    if types is None and "kda_layers" in lin and "full_attn_layers" in lin:
+        types = [None] * n
+        for i in lin["full_attn_layers"]:
+            types[int(i) - 1] = "full_attention"
+        for i in lin["kda_layers"]:
+            types[int(i) - 1] = "linear_attention"
+    if types is None:  # transformers' default
+        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    heads = int(lin.get("num_heads", get("linear_num_heads", default=32)))
+    head_dim = int(lin.get("head_dim", get("linear_head_dim", default=128)))
+    fields = dict(
+        layer_types=tuple(types),
+        linear_kind="kda",
+        linear_num_key_heads=heads,
+        linear_num_value_heads=heads,
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
+        linear_conv_kernel_dim=int(lin.get("short_conv_kernel_size",
+                                           get("linear_conv_kernel_dim", default=4))),
+        use_rope=False,
+        kv_lora_rank=int(hf["kv_lora_rank"]),
+        q_lora_rank=int(hf.get("q_lora_rank") or 0),
+        qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+        v_head_dim=int(hf["v_head_dim"]),
+        head_dim=int(hf["qk_rope_head_dim"]),
+        num_kv_heads=1,
+        max_position_embeddings=int(get("model_max_length", "max_position_embeddings",
+                                        default=4096)),
+    )  # fmt: skip
+    experts = int(get("num_experts", "num_local_experts", default=0))
+    if not experts:
+        return fields
+    mlp_types = hf.get("mlp_layer_types")
+    if mlp_types is None:
+        k = int(get("first_k_dense_replace", default=1))
+        mlp_types = ["dense" if i < k else "sparse" for i in range(n)]
+    dense = next((i for i, t in enumerate(mlp_types) if t != "dense"), n)
+    if any(t != "sparse" for t in mlp_types[dense:]):
+        raise ValueError(
+            f"Kimi Linear mlp_layer_types must be dense layers first, then sparse ones; got "
+            f"{list(mlp_types)}."
+        )
+    return fields | dict(
+        num_experts=experts,
+        num_experts_per_tok=int(get("num_experts_per_token", "num_experts_per_tok")),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(get("moe_renormalize", "norm_topk_prob", default=True)),
+        scoring_func="sigmoid",
+        expert_bias=True,
+        n_group=int(get("num_expert_group", "n_group", default=1)),
+        topk_group=int(get("topk_group", default=1)),
+        routed_scaling_factor=float(get("routed_scaling_factor", default=1.0)),
+        n_shared_experts=int(get("num_shared_experts", "n_shared_experts", default=0)),
+        first_k_dense_replace=dense,
+    )
+
+
 def config_from_hf(hf: dict) -> ModelConfig:
     """Builds a `ModelConfig` from a parsed Hugging Face `config.json`."""
     names = hf.get("architectures") or []
@@ -224,6 +293,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
         fields |= _deepseek_v3(hf)
     if arch in (Architecture.QWEN3_5, Architecture.QWEN3_NEXT):
         fields |= _hybrid(hf, arch)
+    elif arch == Architecture.KIMI_LINEAR:
+        fields |= _kimi_linear(hf)
+        moe = {}
     else:
         fields["qk_norm"] = arch in (Architecture.QWEN3, Architecture.QWEN3_MOE)
     return ModelConfig(
@@ -236,7 +308,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        max_position_embeddings=fields.pop("max_position_embeddings",
+                                           int(hf.get("max_position_embeddings", 4096))),
         sliding_window=int(sliding) if sliding else None,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=arch == Architecture.QWEN2 or bool(hf.get("attention_bias", False)),
@@ -322,6 +395,8 @@ def config_to_hf(cfg: ModelConfig, **extra) -> dict:
         return hf | _deepseek_v3_to_hf(cfg) | extra
     if cfg.architecture in _ZERO_CENTRED:
         return hf | _hybrid_to_hf(cfg) | extra
+    if cfg.architecture == Architecture.KIMI_LINEAR:
+        return hf | _kimi_linear_to_hf(cfg) | extra
     if cfg.is_moe:
         hf |= {
             "num_experts": cfg.num_experts,
@@ -357,6 +432,37 @@ def _hybrid_to_hf(cfg: ModelConfig) -> dict:
             "mlp_only_layers": [],
         }
     return hf
+
+
+def _kimi_linear_to_hf(cfg: ModelConfig) -> dict:
+    """Kimi Linear config.json fields, as transformers writes them."""
+    moe = cfg.num_experts > 0
+    dense = cfg.first_k_dense_replace if moe else cfg.num_layers
+    return {
+        "num_key_value_heads": cfg.num_heads,
+        "layer_types": list(cfg.layer_types or ["full_attention"] * cfg.num_layers),
+        "mlp_layer_types": ["dense" if i < dense else "sparse" for i in range(cfg.num_layers)],
+        "linear_num_heads": cfg.linear_num_key_heads,
+        "linear_head_dim": cfg.linear_key_head_dim,
+        "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "q_lora_rank": cfg.q_lora_rank or None,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "num_experts": cfg.num_experts if moe else 1,
+        "num_experts_per_token": cfg.num_experts_per_tok if moe else 1,
+        "moe_intermediate_size": cfg.moe_intermediate_size if moe else 1,
+        "num_shared_experts": cfg.n_shared_experts,
+        "num_expert_group": cfg.n_group,
+        "topk_group": cfg.topk_group,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "moe_renormalize": cfg.norm_topk_prob,
+        "model_max_length": cfg.max_position_embeddings,
+        # transformers' default pad id (163839) lies outside a smaller vocabulary and
+        # its embedding refuses it; padding plays no part in inference.
+        "pad_token_id": None,
+    }
 
 
 def _deepseek_v3_to_hf(cfg: ModelConfig) -> dict:
@@ -436,8 +542,36 @@ _QKVZ, _BA = "linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"
 _Q_PROJ = "self_attn.q_proj.weight"  # gated attention: per head [q (hd), gate (hd)] rows
 
 
+# Kimi Linear: KDA layers under self_attn (q/k/v projections and their three
+# convolutions are one w_qkv / conv of ours: `_special_shapes`), the MLP under
+# block_sparse_moe, experts named w1 (gate) / w3 (up) / w2 (down).
+_KDA_TENSORS = (
+    ("w_b", "self_attn.b_proj.weight", True),
+    ("w_fa", "self_attn.f_a_proj.weight", True),
+    ("w_fb", "self_attn.f_b_proj.weight", True),
+    ("dt_bias", "self_attn.dt_bias", False),
+    ("w_ga", "self_attn.g_a_proj.weight", True),
+    ("w_gb", "self_attn.g_b_proj.weight", True),
+    ("lin_norm", "self_attn.o_norm.weight", False),
+    ("w_out", "self_attn.o_proj.weight", True),
+)
+_KDA_QKV = ("q", "k", "v")  # self_attn.{x}_proj.weight and self_attn.{x}_conv1d.weight
+_A_LOG = "self_attn.A_log"  # [1, 1, H, 1]
+
+
+def _expert_names(cfg: ModelConfig) -> tuple[str, tuple]:
+    """(prefix under model.layers.{i}., ((our key, name under experts.{e}.), ...))."""
+    if cfg.architecture == Architecture.KIMI_LINEAR:
+        return "block_sparse_moe.experts", (
+            ("e_gate", "w1.weight"), ("e_up", "w3.weight"), ("e_down", "w2.weight"))
+    return "mlp.experts", _EXPERT_TENSORS
+
+
 def _layer_tensors(cfg: ModelConfig) -> tuple:
     """(our key, HF name, transpose?) of the tensors that map one to one."""
+    if cfg.architecture == Architecture.KIMI_LINEAR:
+        return tuple((k, n.replace("mlp.", "block_sparse_moe.", 1), t)
+                     for k, n, t in _LAYER_TENSORS + _KDA_TENSORS)  # fmt: skip
     table = _LAYER_TENSORS + _HYBRID_TENSORS
     if cfg.attn_output_gate:  # wq and wg are one HF tensor (`_Q_PROJ`)
         table = tuple(t for t in table if t[0] != "wq")
@@ -453,7 +587,13 @@ def _layer_tensors(cfg: ModelConfig) -> tuple:
 def _special_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """HF shapes of layer i's tensors that are not one to one with ours."""
     layer, out = cfg.layer_shapes(i), {}
-    if "conv" in layer:
+    if "conv" in layer and cfg.linear_kind == "kda":
+        taps, c = layer["conv"]
+        for x in _KDA_QKV:
+            out[f"self_attn.{x}_proj.weight"] = (c // 3, cfg.hidden_size)
+            out[f"self_attn.{x}_conv1d.weight"] = (c // 3, 1, taps)
+        out[_A_LOG] = (1, 1, cfg.linear_num_key_heads, 1)
+    elif "conv" in layer:
         taps, c = layer["conv"]
         out[_CONV] = (c, 1, taps)
         if cfg.architecture == Architecture.QWEN3_NEXT:
@@ -524,9 +664,10 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             width = cfg.qk_nope_head_dim + cfg.v_head_dim
             out[f"model.layers.{i}.{_KV_B}"] = (cfg.num_heads * width, cfg.kv_lora_rank)
         if "e_gate" in layer:
+            prefix, names = _expert_names(cfg)
             for e in range(cfg.num_experts):
-                for key, name in _EXPERT_TENSORS:
-                    out[f"model.layers.{i}.mlp.experts.{e}.{name}"] = layer[key][1:][::-1]
+                for key, name in names:
+                    out[f"model.layers.{i}.{prefix}.{e}.{name}"] = layer[key][1:][::-1]
     return out
 
 
@@ -675,7 +816,8 @@ def load_model(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCo
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     expected = hf_tensor_shapes(cfg)
     raw = {n: t.astype(np_dtype) for n, t in _tensors(files, list(expected))}
-    interleaved = cfg.is_mla and bool(_config_json(folder).get("rope_interleave", True))
+    interleaved = (cfg.is_mla and cfg.use_rope
+                   and bool(_config_json(folder).get("rope_interleave", True)))  # fmt: skip
     per_layer = [_layer_from_hf(cfg, i, raw, interleaved) for i in range(cfg.num_layers)]
     if cfg.uniform_layers:
         layers = {k: np.stack([lp[k] for lp in per_layer]) for k in per_layer[0]}
@@ -717,7 +859,13 @@ def _layer_from_hf(cfg: ModelConfig, i: int, raw: dict, interleaved: bool) -> di
         if key in layer:
             t = raw.pop(at + name)
             lp[key] = t.T if transpose else t
-    if "conv" in layer:
+    if "conv" in layer and cfg.linear_kind == "kda":
+        lp["w_qkv"] = np.concatenate([raw.pop(f"{at}self_attn.{x}_proj.weight").T
+                                      for x in _KDA_QKV], axis=1)  # fmt: skip
+        lp["conv"] = np.concatenate([raw.pop(f"{at}self_attn.{x}_conv1d.weight")[:, 0, :].T
+                                     for x in _KDA_QKV], axis=1)  # fmt: skip
+        lp["a_log"] = raw.pop(at + _A_LOG).reshape(-1)
+    elif "conv" in layer:
         lp["conv"] = np.ascontiguousarray(raw.pop(at + _CONV)[:, 0, :].T)
         if cfg.architecture == Architecture.QWEN3_NEXT:
             lp |= _qkvz_split(cfg, raw.pop(at + _QKVZ), raw.pop(at + _BA))
@@ -735,8 +883,9 @@ def _layer_from_hf(cfg: ModelConfig, i: int, raw: dict, interleaved: bool) -> di
         lp["w_uk"] = np.ascontiguousarray(kv_b[..., :nope].transpose(1, 0, 2))
         lp["w_uv"] = np.ascontiguousarray(kv_b[..., nope:].transpose(1, 0, 2))
     if "e_gate" in layer:
-        for key, name in _EXPERT_TENSORS:
-            lp[key] = np.stack([raw.pop(f"{at}mlp.experts.{e}.{name}").T
+        prefix, names = _expert_names(cfg)
+        for key, name in names:
+            lp[key] = np.stack([raw.pop(f"{at}{prefix}.{e}.{name}").T
                                 for e in range(cfg.num_experts)])  # fmt: skip
     if interleaved:
         order = _rope_order(cfg.head_dim)
@@ -775,7 +924,14 @@ def to_hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
         for key, name, transpose in _layer_tensors(cfg):
             if key in lp:
                 out[at + name] = lp[key].T if transpose else lp[key]
-        if "conv" in lp:
+        if "conv" in lp and cfg.linear_kind == "kda":
+            third = lp["w_qkv"].shape[1] // 3
+            for j, x in enumerate(_KDA_QKV):
+                out[f"{at}self_attn.{x}_proj.weight"] = lp["w_qkv"][:, j * third:(j + 1) * third].T
+                out[f"{at}self_attn.{x}_conv1d.weight"] = (
+                    lp["conv"][:, j * third:(j + 1) * third].T[:, None, :])
+            out[at + _A_LOG] = lp["a_log"].reshape(1, 1, -1, 1)
+        elif "conv" in lp:
             out[at + _CONV] = lp["conv"].T[:, None, :]
             if cfg.architecture == Architecture.QWEN3_NEXT:
                 out[at + _QKVZ], out[at + _BA] = _qkvz_join(cfg, lp)
@@ -788,9 +944,10 @@ def to_hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
             kv_b = np.concatenate([lp["w_uk"], lp["w_uv"]], axis=-1).transpose(1, 0, 2)
             out[at + _KV_B] = kv_b.reshape(cfg.kv_lora_rank, -1).T
         if "e_gate" in lp:
+            prefix, names = _expert_names(cfg)
             for e in range(cfg.num_experts):
-                for key, name in _EXPERT_TENSORS:
-                    out[f"{at}mlp.experts.{e}.{name}"] = lp[key][e].T
+                for key, name in names:
+                    out[f"{at}{prefix}.{e}.{name}"] = lp[key][e].T
     return {n: np.ascontiguousarray(t) for n, t in out.items()}
 
 

@@ -127,6 +127,36 @@ _QWEN3_5 = dict(
     linear_conv_kernel_dim=4,
 )
 
+# Kimi Linear: KDA layers (per-channel decay, low-rank gates) around MLA layers without
+# positions, sigmoid routing limited to 1 of 2 groups with a shared expert, a dense
+# first layer.
+_KIMI_LINEAR = dict(
+    _COMMON,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    pad_token_id=0,
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=24,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=None,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    linear_num_heads=4,
+    linear_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+
 VARIANTS: dict[str, Variant] = {
     "llama": Variant("llama", _LLAMA),
     # MHA (kv heads == heads) and a shared embedding / LM head matrix.
@@ -224,6 +254,7 @@ VARIANTS: dict[str, Variant] = {
         ),
         seed=13,
     ),
+    "kimi_linear": Variant("kimi_linear", _KIMI_LINEAR, seed=14),
 }
 
 
@@ -239,6 +270,7 @@ def _classes(family: str):
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
         "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
         "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+        "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM),
     }[family]
 
 

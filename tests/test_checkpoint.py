@@ -97,7 +97,8 @@ def _expected_fields(name: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "name", [n for n, v in hf_models.VARIANTS.items() if v.family != "deepseek_v3"]
+    "name",
+    [n for n, v in hf_models.VARIANTS.items() if v.family not in ("deepseek_v3", "kimi_linear")],
 )
 def test_load_config_fields(hf_zoo, name):
     cfg = load_config(hf_zoo[name])
@@ -153,7 +154,8 @@ def test_deepseek_v3_saved_by_us_loads_back_in_both(hf_zoo, tmp_path):
     np.testing.assert_allclose(hf_models.hf_logits(ours, prompt), want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", pytest.param("qwen3_next", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["qwen3_5", *[pytest.param(n, marks=pytest.mark.slow)
+                                                for n in ("qwen3_next", "kimi_linear")]])
 def test_hybrid_saved_by_us_loads_back_in_both(hf_zoo, tmp_path, name):
     """Qwen3.5 / Qwen3-Next as `save_checkpoint` writes them (zero-centred norms, the
     gated q_proj, the depthwise conv1d, Qwen3-Next's per-key-head fused projections
@@ -162,7 +164,15 @@ def test_hybrid_saved_by_us_loads_back_in_both(hf_zoo, tmp_path, name):
     import torch
 
     cfg, params = load_model(hf_zoo[name])
-    assert cfg.is_hybrid and cfg.attn_output_gate and cfg.rotary_dim == 4
+    assert cfg.is_hybrid
+    if name != "kimi_linear":
+        assert cfg.attn_output_gate and cfg.rotary_dim == 4
+    else:
+        v = hf_models.VARIANTS[name].config
+        assert cfg.linear_kind == "kda" and cfg.is_mla and not cfg.use_rope
+        assert (cfg.linear_num_key_heads, cfg.linear_key_head_dim) == (4, 8)
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.n_shared_experts,
+                cfg.first_k_dense_replace) == (v["num_local_experts"], 2, 2, 1, 1)  # fmt: skip
     assert cfg.layer_types == tuple(hf_models.read_config(hf_zoo[name])["layer_types"])
     save_checkpoint(tmp_path, cfg, params, dtype="float32")
     cfg2, params2 = load_model(tmp_path)

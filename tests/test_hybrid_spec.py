@@ -135,10 +135,11 @@ def test_first_two_tokens_match_the_hybrid_target_marginals(tmp_path):
     assert 0.5 * np.abs(c2 / n - p2).sum() < 3 * math.sqrt(v / n)
 
 
-def test_chunked_form_equals_the_recurrence():
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_chunked_form_equals_the_recurrence(per_channel):
     """`gated_delta_block` over a chain (causal mask) from a non-zero state equals the
     gated delta rule applied token by token, outputs and final state
-    (`commit_states`)."""
+    (`commit_states`): one decay per head (gated DeltaNet) or per key channel (KDA)."""
     import jax.numpy as jnp
 
     from specdec.kernels import linear_attention as la
@@ -148,14 +149,14 @@ def test_chunked_form_equals_the_recurrence():
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
     q, k = la.l2norm(f(b, n, h, dk)) * dk**-0.5, la.l2norm(f(b, n, h, dk))
     v, s0 = f(b, n, h, dv), f(b, h, dk, dv)
-    g = -jnp.abs(f(b, n, h)) * 0.3
+    g = -jnp.abs(f(b, n, h, dk) if per_channel else f(b, n, h)) * 0.3
     beta = jax.nn.sigmoid(f(b, n, h))
     path = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
     o, u, big_g = la.gated_delta_block(q, k, v, g, beta, s0, path)
 
     s, outs = s0, []
     for t in range(n):
-        s = s * jnp.exp(g[:, t])[..., None, None]
+        s = s * (jnp.exp(g[:, t])[..., None] if per_channel else jnp.exp(g[:, t])[..., None, None])
         delta = (v[:, t] - jnp.einsum("bhkv,bhk->bhv", s, k[:, t])) * beta[:, t][..., None]
         s = s + k[:, t][..., None] * delta[..., None, :]
         outs.append(jnp.einsum("bhkv,bhk->bhv", s, q[:, t]))

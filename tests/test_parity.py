@@ -51,6 +51,7 @@ GENERATE_VARIANTS = [
     "deepseek_v3_plain",
     "qwen3_5",
     "qwen3_next",
+    "kimi_linear",
 ]
 
 
@@ -105,6 +106,7 @@ def test_prefill_logits_match_hf(hf_zoo, name):
         pytest.param("deepseek_v3", {"rope_scaling": None}, marks=pytest.mark.slow),
         pytest.param("deepseek_v3", {"n_group": 1, "topk_group": 1}, marks=pytest.mark.slow),
         pytest.param("qwen3_5", {"partial_rotary_factor": 1.0}, marks=pytest.mark.slow),
+        pytest.param("kimi_linear", {"use_rope": True}, marks=pytest.mark.slow),
     ],
 )
 def test_parity_inputs_exercise_the_feature(hf_zoo, name, change):
@@ -123,7 +125,8 @@ def test_parity_inputs_exercise_the_feature(hf_zoo, name, change):
     assert np.abs(with_feature[last] - without[last]).max() > 100 * LOGIT_ATOL
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", pytest.param("qwen3_next", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["qwen3_5", *[pytest.param(n, marks=pytest.mark.slow)
+                                                for n in ("qwen3_next", "kimi_linear")]])
 def test_prefill_in_chunks_carries_the_linear_state(hf_zoo, name):
     """A prompt longer than one prefill chunk: each chunk starts from the recurrent and
     convolution state the previous one committed (chunks of 16 over 61 tokens, with a

@@ -56,6 +56,18 @@ CONFIGS = {
         num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
         n_shared_experts=1, shared_expert_intermediate_size=24, shared_expert_gate=True,
     ),
+    # Kimi Linear: KDA (a decay per key channel) around MLA without positions, routed
+    # experts after a dense first layer.
+    "kimi_kda": ModelConfig(
+        vocab_size=80, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+        num_kv_heads=1, head_dim=8, architecture=Architecture.KIMI_LINEAR, kv_lora_rank=16,
+        qk_nope_head_dim=8, v_head_dim=12, use_rope=False,
+        layer_types=("linear_attention", "full_attention", "linear_attention"),
+        linear_kind="kda", linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, norm_topk_prob=True, scoring_func="sigmoid",
+        expert_bias=True, n_shared_experts=1, first_k_dense_replace=1,
+    ),
 }  # fmt: skip
 
 
@@ -157,7 +169,7 @@ def full_tree(depth: int, children: int) -> np.ndarray:
 
 
 @pytest.mark.slow  # ~10 s of compiles each; quick: test_hybrid_spec's chunked-form test
-@pytest.mark.parametrize("name", ["qwen3_5_hybrid", "qwen3_next_hybrid"])
+@pytest.mark.parametrize("name", ["qwen3_5_hybrid", "qwen3_next_hybrid", "kimi_kda"])
 def test_hybrid_tree_verify_and_commit_match_path_decode(name):
     """Linear-attention layers in one tree pass: each node of a depth-4 binary tree sees
     its own path's recurrent and convolution state (logits equal decoding that path);
