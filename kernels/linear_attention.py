@@ -184,13 +184,16 @@ def commit_states(state: LinearState, lin: LinearBlock, slots, starts, counts) -
     conv = jnp.take_along_axis(seq, idx[None, :, :, None], axis=2)
     live = (slots >= 0) & (counts > 0)
     conv = conv.astype(state.conv.dtype)
+
     # One row at a time, as `transformer._put_rows` does (an index scatter over rows
     # would rebuild the whole state); padding rows write back what is there now.
+    def put(arr, val, r):
+        cur = jax.lax.dynamic_index_in_dim(arr, safe[r], axis=1, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(
+            arr, jnp.where(live[r], val, cur), safe[r], axis=1
+        )
+
     new_rec, new_conv = state.rec, state.conv
     for r in range(b):
-        def put(arr, val):
-            cur = jax.lax.dynamic_index_in_dim(arr, safe[r], axis=1, keepdims=False)
-            return jax.lax.dynamic_update_index_in_dim(arr, jnp.where(live[r], val, cur),
-                                                       safe[r], axis=1)  # fmt: skip
-        new_rec, new_conv = put(new_rec, rec[:, r]), put(new_conv, conv[:, r])
+        new_rec, new_conv = put(new_rec, rec[:, r], r), put(new_conv, conv[:, r], r)
     return LinearState(conv=new_conv, rec=new_rec)

@@ -956,8 +956,10 @@ def commit_kv(
     """
     del num  # positions past the accepted path are beyond the new length: free to overwrite
     if cache.lin is not None:
-        raise ValueError("commit_kv moves K/V only; a hybrid model's linear-layer state is "
-                         "committed by write_kv(..., counts=...) from the verify block")  # fmt: skip
+        raise ValueError(
+            "commit_kv moves K/V only; a hybrid model's linear-layer state is committed "
+            "by write_kv(..., counts=...) from the verify block"
+        )
     safe_slots = jnp.clip(slots, 0, cache.num_slots - 1)
     src_pos = jnp.clip(cache_lens[:, None] + src, 0, cache.max_len - 1)  # [B, P]
 

@@ -184,7 +184,8 @@ def _kimi_linear(hf: dict) -> dict:
     dense layers (`mlp_layer_types`). Accepts transformers' own key names and the
     checkpoint's (`num_experts_per_token`, `moe_renormalize`, ...)."""
     get = lambda *keys, default=None: next(  # noqa: E731
-        (hf[k] for k in keys if hf.get(k) is not None), default)
+        (hf[k] for k in keys if hf.get(k) is not None), default
+    )
     n = int(hf["num_hidden_layers"])
     lin = hf.get("linear_attn_config") or {}
     types = hf.get("layer_types")
@@ -308,8 +309,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=fields.pop("max_position_embeddings",
-                                           int(hf.get("max_position_embeddings", 4096))),
+        max_position_embeddings=fields.pop(
+            "max_position_embeddings", int(hf.get("max_position_embeddings", 4096))
+        ),
         sliding_window=int(sliding) if sliding else None,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=arch == Architecture.QWEN2 or bool(hf.get("attention_bias", False)),
@@ -563,7 +565,10 @@ def _expert_names(cfg: ModelConfig) -> tuple[str, tuple]:
     """(prefix under model.layers.{i}., ((our key, name under experts.{e}.), ...))."""
     if cfg.architecture == Architecture.KIMI_LINEAR:
         return "block_sparse_moe.experts", (
-            ("e_gate", "w1.weight"), ("e_up", "w3.weight"), ("e_down", "w2.weight"))
+            ("e_gate", "w1.weight"),
+            ("e_up", "w3.weight"),
+            ("e_down", "w2.weight"),
+        )
     return "mlp.experts", _EXPERT_TENSORS
 
 
@@ -927,9 +932,12 @@ def to_hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
         if "conv" in lp and cfg.linear_kind == "kda":
             third = lp["w_qkv"].shape[1] // 3
             for j, x in enumerate(_KDA_QKV):
-                out[f"{at}self_attn.{x}_proj.weight"] = lp["w_qkv"][:, j * third:(j + 1) * third].T
-                out[f"{at}self_attn.{x}_conv1d.weight"] = (
-                    lp["conv"][:, j * third:(j + 1) * third].T[:, None, :])
+                out[f"{at}self_attn.{x}_proj.weight"] = lp["w_qkv"][
+                    :, j * third : (j + 1) * third
+                ].T
+                out[f"{at}self_attn.{x}_conv1d.weight"] = lp["conv"][
+                    :, j * third : (j + 1) * third
+                ].T[:, None, :]
             out[at + _A_LOG] = lp["a_log"].reshape(1, 1, -1, 1)
         elif "conv" in lp:
             out[at + _CONV] = lp["conv"].T[:, None, :]

@@ -154,8 +154,10 @@ def test_deepseek_v3_saved_by_us_loads_back_in_both(hf_zoo, tmp_path):
     np.testing.assert_allclose(hf_models.hf_logits(ours, prompt), want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", *[pytest.param(n, marks=pytest.mark.slow)
-                                                for n in ("qwen3_next", "kimi_linear")]])
+@pytest.mark.parametrize(
+    "name",
+    ["qwen3_5", *[pytest.param(n, marks=pytest.mark.slow) for n in ("qwen3_next", "kimi_linear")]],
+)
 def test_hybrid_saved_by_us_loads_back_in_both(hf_zoo, tmp_path, name):
     """Qwen3.5 / Qwen3-Next as `save_checkpoint` writes them (zero-centred norms, the
     gated q_proj, the depthwise conv1d, Qwen3-Next's per-key-head fused projections
