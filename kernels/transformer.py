@@ -38,8 +38,16 @@ Params are a dict pytree with per-layer weights stacked on a leading L axis
     layers/wkv_a [L, D, c+r]   kv_a_norm [L, c]   w_uk [L, H, c, nope]   w_uv [L, H, c, v]
     layers/wo [L, H*v, D]
 
+  gated attention (Qwen3.5 / Qwen3-Next): layers/wg [L, D, H*hd], the output's gate
+  linear attention (`linear_attention.py`; per layer, C = 2 kd + vd convolved channels):
+    w_qkv [D, C]   conv [K, C]   w_b [D, Hv]   dt_bias   a_log [Hv]   lin_norm [dv]
+    w_out [vd, D];  gated DeltaNet: w_z [D, vd]  w_a [D, Hv];  KDA: w_fa [D, dk]
+    w_fb [dk, kd]  (dt_bias [kd])  w_ga [D, dv]  w_gb [dv, vd]
+  Qwen3-Next's shared expert gate: layers/s_router [D, 1]
+
 A model whose layers differ (DeepSeek-V3's first `first_k_dense_replace` layers are
-dense, the rest MoE) keeps `layers` as a tuple of per-layer dicts (no L axis).
+dense, the rest MoE; a hybrid model's linear and attention layers) keeps `layers` as a
+tuple of per-layer dicts (no L axis).
 
 *A runner on XLA may give a tied model a [D, V] copy of embed.T as lm_head
 (`xla_layout.untie_head`).

@@ -246,9 +246,20 @@ def _kimi_linear(hf: dict) -> dict:
     )
 
 
+# Multimodal wrappers whose text model is served (the vision tower is not):
+# wrapper architecture -> the text model's.
+_WRAPPERS = {"Qwen3_5ForConditionalGeneration": Architecture.QWEN3_5}
+
+
 def config_from_hf(hf: dict) -> ModelConfig:
-    """Builds a `ModelConfig` from a parsed Hugging Face `config.json`."""
+    """Builds a `ModelConfig` from a parsed Hugging Face `config.json` (a multimodal
+    wrapper in `_WRAPPERS`: its `text_config`, the text model alone)."""
     names = hf.get("architectures") or []
+    if names and names[0] in _WRAPPERS:
+        text = dict(hf.get("text_config") or {})
+        text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+        hf = text | {"architectures": [_WRAPPERS[names[0]].value]}
+        names = hf["architectures"]
     arch_name = names[0] if names else None
     if arch_name in SUPPORTED_ARCHITECTURES:
         arch = Architecture(arch_name)
@@ -683,7 +694,8 @@ def _ignored(name: str, cfg: ModelConfig) -> bool:
     extra_layer = (cfg.architecture == Architecture.DEEPSEEK_V3 and len(parts) > 2
                    and parts[:2] == ["model", "layers"] and parts[2].isdigit()
                    and int(parts[2]) >= cfg.num_layers)  # fmt: skip
-    return (name.endswith("rotary_emb.inv_freq") or extra_layer
+    mtp = cfg.is_hybrid and name.startswith("mtp.")  # Qwen3.5 / Qwen3-Next's MTP head
+    return (name.endswith("rotary_emb.inv_freq") or extra_layer or mtp
             or (cfg.tie_word_embeddings and name == "lm_head.weight"))  # fmt: skip
 
 
@@ -739,7 +751,27 @@ def _weight_files(folder: Path) -> tuple[dict[str, Path], list[str]]:
     )
 
 
-def _read_shapes(files: dict[str, Path], missing_files: list[str]) -> dict[str, tuple]:
+def _language_model(folder: Path, files: dict[str, Path]) -> tuple[dict, dict]:
+    """A multimodal wrapper's (Qwen3.5's ConditionalGeneration) text model, as the text
+    model's own tensor names: `model.language_model.X` -> `model.X`; its vision tower
+    (`model.visual.*`) and multi-token-prediction head (`mtp.*`) dropped. Returns
+    (name -> file, name -> stored name)."""
+    hf = _config_json(folder)
+    if (hf.get("architectures") or [None])[0] not in _WRAPPERS:
+        return files, {}
+    out, stored = {}, {}
+    for name, f in files.items():
+        if name.startswith(("model.visual.", "mtp.")):
+            continue
+        canonical = name.replace("model.language_model.", "model.", 1)
+        out[canonical] = f
+        stored[canonical] = name
+    return out, stored
+
+
+def _read_shapes(files: dict[str, Path], missing_files: list[str],
+                 stored: dict | None = None) -> dict[str, tuple]:  # fmt: skip
+    stored = stored or {}
     shapes = {}
     by_file: dict[Path, list[str]] = {}
     for name, f in files.items():
@@ -750,8 +782,8 @@ def _read_shapes(files: dict[str, Path], missing_files: list[str]) -> dict[str, 
         with _open(f) as h:
             present = set(h.keys())
             for n in names:
-                if n in present:
-                    shapes[n] = tuple(h.get_slice(n).get_shape())
+                if stored.get(n, n) in present:
+                    shapes[n] = tuple(h.get_slice(stored.get(n, n)).get_shape())
     return shapes
 
 
@@ -788,7 +820,9 @@ def _check(cfg: ModelConfig, files, missing_files, shapes, folder: Path) -> None
         )
 
 
-def _tensors(files: dict[str, Path], names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+def _tensors(files: dict[str, Path], names: list[str],
+             stored: dict | None = None) -> Iterator[tuple[str, np.ndarray]]:  # fmt: skip
+    stored = stored or {}
     by_file: dict[Path, list[str]] = {}
     for n in names:
         by_file.setdefault(files[n], []).append(n)
@@ -796,7 +830,7 @@ def _tensors(files: dict[str, Path], names: list[str]) -> Iterator[tuple[str, np
         with _open(f) as h:
             for n in ns:
                 try:
-                    tensor = h.get_tensor(n)
+                    tensor = h.get_tensor(stored.get(n, n))
                 except (SafetensorError, OSError) as e:
                     raise _damaged(f, e) from None
                 yield n, tensor
@@ -814,13 +848,14 @@ def load_model(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCo
     folder = _config_path(path).parent
     cfg = load_config(folder)
     files, missing_files = _weight_files(folder)
-    shapes = _read_shapes(files, missing_files)
+    files, stored = _language_model(folder, files)
+    shapes = _read_shapes(files, missing_files, stored)
     _check(cfg, files, missing_files, shapes, folder)
 
     jdtype = _DTYPES[dtype]
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     expected = hf_tensor_shapes(cfg)
-    raw = {n: t.astype(np_dtype) for n, t in _tensors(files, list(expected))}
+    raw = {n: t.astype(np_dtype) for n, t in _tensors(files, list(expected), stored)}
     interleaved = (cfg.is_mla and cfg.use_rope
                    and bool(_config_json(folder).get("rope_interleave", True)))  # fmt: skip
     per_layer = [_layer_from_hf(cfg, i, raw, interleaved) for i in range(cfg.num_layers)]

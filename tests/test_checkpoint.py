@@ -391,3 +391,36 @@ def test_load_model_sharded_reports_every_defect_at_once(hf_zoo, tmp_path):
     message = _load_error(folder)
     for needle in (lost_shard, gone, stale, extra, reshaped, "65"):
         assert needle in message, f"{needle} missing from:\n{message}"
+
+
+@pytest.mark.slow
+def test_qwen3_5_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    """Qwen3.5 is published as Qwen3_5ForConditionalGeneration: its text model (under
+    model.language_model., config in text_config) loads, the vision tower is left out,
+    and the logits equal the wrapper's own on text-only input."""
+    import torch
+    import transformers
+
+    text = {k: v for k, v in hf_models.VARIANTS["qwen3_5"].config.items()
+            if k not in ("attn_implementation", "dtype")}  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=text["hidden_size"], patch_size=4, temporal_patch_size=2,
+                  spatial_merge_size=2)  # fmt: skip
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).float().eval()
+    hf_models._reinit_(model)
+    model.save_pretrained(tmp_path)
+    cfg, params = load_model(tmp_path)
+    assert cfg.architecture.value == "Qwen3_5ForCausalLM" and cfg.is_hybrid
+    prompt = hf_models.random_prompts((11,), cfg.vocab_size, seed=4)[0]
+    got = np.asarray(prefill_logits_one(params, cfg, prompt))
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def prefill_logits_one(params, cfg, prompt):
+    from specdec.kernels.transformer import prefill_logits
+
+    return prefill_logits(params, cfg, np.array([prompt]), np.array([len(prompt)]))[0]

@@ -50,12 +50,12 @@ def test_four_threads_of_ten_prompts_equal_the_sequential_run():
     batch), its greedy defaults with the repetition penalty, and seeded sampling."""
     spec = {"method": "draft_model", "model": str(DEMO / "draft")}
     llm = LLM(DEMO / "target", dtype="float32", speculative_config=spec)
-    greedy = dataclasses.replace(llm.get_default_sampling_params(), temperature=0, max_tokens=24)
+    greedy = dataclasses.replace(llm.get_default_sampling_params(), temperature=0, max_tokens=12)
     assert greedy.repetition_penalty == 1.2
     batches = [[p + " " * (i % 3) for p in CODE[(10 * i) % 20 :][:10]] for i in range(4)]
     for sampled in (False, True):
         params = [
-            [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=100 * i + j)
+            [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=12, seed=100 * i + j)
              for j in range(10)] if sampled else greedy
             for i in range(4)
         ]  # fmt: skip
