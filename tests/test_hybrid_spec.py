@@ -135,7 +135,7 @@ def test_first_two_tokens_match_the_hybrid_target_marginals(tmp_path):
     assert 0.5 * np.abs(c2 / n - p2).sum() < 3 * math.sqrt(v / n)
 
 
-@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("per_channel", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_chunked_form_equals_the_recurrence(per_channel):
     """`gated_delta_block` over a chain (causal mask) from a non-zero state equals the
     gated delta rule applied token by token, outputs and final state
@@ -184,6 +184,7 @@ def test_guards_name_what_is_wrong():
         check_shardable(hybrid_config(64), 1)
 
 
+@pytest.mark.slow
 def test_a_hybrid_draft_is_refused_with_a_clear_error(tmp_path):
     cfg = hybrid_config(write_tokenizer(tmp_path / "tok"))
     target, _ = write_pair(tmp_path, cfg, seed=0, scale=1.0)
