@@ -93,6 +93,31 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     )
 
 
+def _mla_fields(hf: dict) -> dict:
+    """Multi-head latent attention's ModelConfig fields (DeepSeek-V3, Kimi Linear): one
+    latent K/V "head" whose rotary width is head_dim."""
+    return dict(
+        kv_lora_rank=int(hf["kv_lora_rank"]),
+        q_lora_rank=int(hf.get("q_lora_rank") or 0),
+        qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+        v_head_dim=int(hf["v_head_dim"]),
+        head_dim=int(hf["qk_rope_head_dim"]),
+        num_kv_heads=1,
+    )
+
+
+def _mla_to_hf(cfg: ModelConfig) -> dict:
+    """`_mla_fields`' inverse, as transformers' MLA configs spell it."""
+    return {
+        "num_key_value_heads": cfg.num_heads,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "q_lora_rank": cfg.q_lora_rank or None,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.head_dim,
+        "v_head_dim": cfg.v_head_dim,
+    }
+
+
 def _deepseek_v3(hf: dict) -> dict:
     """ModelConfig fields of a DeepSeek-V3 config: MLA, and (with routed experts)
     sigmoid group-limited routing, shared experts and the first dense layers."""
@@ -101,13 +126,7 @@ def _deepseek_v3(hf: dict) -> dict:
             "Quantized DeepSeek-V3 checkpoints (quantization_config, e.g. FP8 block "
             "scales) are not supported; convert the weights to bfloat16 first."
         )
-    fields = dict(
-        kv_lora_rank=int(hf["kv_lora_rank"]),
-        q_lora_rank=int(hf.get("q_lora_rank") or 0),
-        qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
-        v_head_dim=int(hf["v_head_dim"]),
-        head_dim=int(hf["qk_rope_head_dim"]),
-        num_kv_heads=1,
+    fields = _mla_fields(hf) | dict(
         first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
     )
     experts = int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 0)
@@ -209,12 +228,7 @@ def _kimi_linear(hf: dict) -> dict:
         linear_conv_kernel_dim=int(lin.get("short_conv_kernel_size",
                                            get("linear_conv_kernel_dim", default=4))),
         use_rope=False,
-        kv_lora_rank=int(hf["kv_lora_rank"]),
-        q_lora_rank=int(hf.get("q_lora_rank") or 0),
-        qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
-        v_head_dim=int(hf["v_head_dim"]),
-        head_dim=int(hf["qk_rope_head_dim"]),
-        num_kv_heads=1,
+        **_mla_fields(hf),
         max_position_embeddings=int(get("model_max_length", "max_position_embeddings",
                                         default=4096)),
     )  # fmt: skip
@@ -451,18 +465,12 @@ def _kimi_linear_to_hf(cfg: ModelConfig) -> dict:
     """Kimi Linear config.json fields, as transformers writes them."""
     moe = cfg.num_experts > 0
     dense = cfg.first_k_dense_replace if moe else cfg.num_layers
-    return {
-        "num_key_value_heads": cfg.num_heads,
+    return _mla_to_hf(cfg) | {
         "layer_types": list(cfg.layer_types or ["full_attention"] * cfg.num_layers),
         "mlp_layer_types": ["dense" if i < dense else "sparse" for i in range(cfg.num_layers)],
         "linear_num_heads": cfg.linear_num_key_heads,
         "linear_head_dim": cfg.linear_key_head_dim,
         "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim,
-        "kv_lora_rank": cfg.kv_lora_rank,
-        "q_lora_rank": cfg.q_lora_rank or None,
-        "qk_nope_head_dim": cfg.qk_nope_head_dim,
-        "qk_rope_head_dim": cfg.head_dim,
-        "v_head_dim": cfg.v_head_dim,
         "num_experts": cfg.num_experts if moe else 1,
         "num_experts_per_token": cfg.num_experts_per_tok if moe else 1,
         "moe_intermediate_size": cfg.moe_intermediate_size if moe else 1,
@@ -482,13 +490,7 @@ def _deepseek_v3_to_hf(cfg: ModelConfig) -> dict:
     """DeepSeek-V3's own config.json fields. The weights are written with the rotary
     dims de-interleaved (as this package holds them), hence rope_interleave false."""
     moe = cfg.num_experts > 0
-    return {
-        "num_key_value_heads": cfg.num_heads,
-        "kv_lora_rank": cfg.kv_lora_rank,
-        "q_lora_rank": cfg.q_lora_rank or None,
-        "qk_nope_head_dim": cfg.qk_nope_head_dim,
-        "qk_rope_head_dim": cfg.head_dim,
-        "v_head_dim": cfg.v_head_dim,
+    return _mla_to_hf(cfg) | {
         "rope_interleave": False,
         # transformers builds MoE layers from first_k_dense_replace on: a dense model
         # is one whose every layer comes first.

@@ -12,6 +12,31 @@ MAX_LEN = 96
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
+def assert_first_two_tokens_follow_the_target(target, cfg, prompt, toks) -> None:
+    """toks i32[n, 2], the first two sampled tokens (temperature 1) of n requests for
+    `prompt` to the model at `target`: each position's counts match the target's
+    marginal (chi-square p > 1e-3; the second token's total variation at noise level)."""
+    import jax.numpy as jnp
+
+    from specdec.checkpoint import load_model
+    from specdec.kernels.transformer import prefill_logits
+    from specdec.verify.sampling import sampling_probs
+
+    _, weights = load_model(target)
+    v, n = cfg.vocab_size, len(toks)
+    seqs = np.array([prompt + [t] for t in range(v)])
+    logits = prefill_logits(weights, cfg, seqs, np.full(v, len(prompt) + 1))
+    probs = lambda lg: np.asarray(  # noqa: E731
+        sampling_probs(lg, jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0), jnp.float32(0.0))
+    )
+    p1 = probs(logits[0, len(prompt) - 1])
+    p2 = p1 @ probs(logits[:, len(prompt)])
+    c1, c2 = np.bincount(toks[:, 0], minlength=v), np.bincount(toks[:, 1], minlength=v)
+    assert chi2_pvalue(c1, p1) > 1e-3
+    assert chi2_pvalue(c2, p2) > 1e-3
+    assert 0.5 * np.abs(c2 / n - p2).sum() < 3 * math.sqrt(v / n)
+
+
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     return tiny_pair(tmp_path_factory.mktemp("target"))
