@@ -511,8 +511,9 @@ def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_c
     With `side` = (k_side, v_side [B, S, K, hd], at): the block's K/V are put at
     side positions [at, at + N) and attention reads the whole side buffer
     (`block_mask` is then bool[B, N, S]); the updated buffers are returned.
-    A linear-attention layer (`lin` = (path mask, cache_lens, conv state, recurrent
-    state) of its rows) returns its `LinearBlock` record and None in place of (k, v).
+    A linear-attention layer (`lin` = (path mask, convolution sources from
+    `linear_attention.ancestor_sources`, conv state, recurrent state) of its rows)
+    returns its `LinearBlock` record and None in place of (k, v).
     """
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     if lin is not None:
@@ -538,7 +539,7 @@ def _layer(cfg, inv_freq, positions, cache_mask, block_mask, x, lp, k_cache, v_c
     return x, k, v
 
 
-def _deltanet(cfg, lp, h, positions, path, cache_lens, conv0, s0, layout: Layout):
+def _deltanet(cfg, lp, h, positions, path, sources, conv0, s0, layout: Layout):
     """A gated DeltaNet token mixer over a block (`linear_attention`): returns its
     output f32[B, N, D] and the block's `LinearBlock` record."""
     b, n, _ = h.shape
@@ -559,7 +560,6 @@ def _deltanet(cfg, lp, h, positions, path, cache_lens, conv0, s0, layout: Layout
         a = layout.linear(lp, "w_a", h) + lp["dt_bias"].astype(jnp.float32)
         g = -decay_rate * jax.nn.softplus(a)  # [B, N, Hv], log-decay <= 0
         gate = jax.nn.silu
-    sources = la.ancestor_sources(path, positions, cache_lens, cfg.linear_conv_kernel_dim)
     xc = la.causal_conv(x, conv0, lp["conv"], sources)
     r = hv // hk  # each key head serves r consecutive value heads
     q = jnp.repeat(la.l2norm(xc[..., :kd].reshape(b, n, hk, dk)), r, axis=2) * dk**-0.5
@@ -682,12 +682,14 @@ def _hidden_block(
         lens = jnp.zeros((b,), jnp.int32) if cache_lens is None else cache_lens
         conv0, s0 = _linear_rows(cfg, cache, slots, lens, b)
         path = block_mask
+        # Where each node's convolution inputs live: the same for every linear layer.
+        sources = la.ancestor_sources(path, positions, lens, cfg.linear_conv_kernel_dim)
 
         def lin_rows(i):
             if not cfg.linear_layer(i):
                 return None
             li = cfg.cache_layer(i)
-            return path, lens, conv0[li], s0[li]
+            return path, sources, conv0[li], s0[li]
 
     key_positions = positions if side is None else side.positions
     if cfg.sliding_window is not None:
