@@ -162,7 +162,7 @@ def mix(x, ba, z, window, rec, slots, cache_lens, path, sources, lp, *, dims, ep
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     live_lens = jnp.where(slots >= 0, cache_lens, 0).astype(jnp.int32)
     o, k, u, big_g = pl.pallas_call(
-        functools.partial(_mix_kernel, dims=dims, np_=np_, taps=taps, eps=eps, batch=b),
+        functools.partial(_mix_kernel, dims=dims, np_=np_, eps=eps, batch=b),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
@@ -181,12 +181,43 @@ def mix(x, ba, z, window, rec, slots, cache_lens, path, sources, lp, *, dims, ep
     return back(o), back(k), back(u), back(big_g)[..., 0]
 
 
-def _mix_kernel(slots_ref, lens_ref, x_ref, ba_ref, z_ref, win_ref, mask_ref, selb_ref,
-                sels_ref, conv_ref, alog_ref, dtb_ref, norm_ref, rec_hbm, o_ref, k_ref,
-                u_ref, g_ref, s_buf, sem, *, dims, np_, taps, eps, batch):  # fmt: skip
+def conv_inputs(x, win, sel_block, sel_state):
+    """Each node's convolution inputs along its path, taps oldest first: a list of K
+    [Np, C] values, the last being x itself (`conv_selectors` for the others)."""
+    taps = sel_block.shape[0] + 1
+    srcs = [ops.dot(sel_block[j - 1], x) + ops.dot(sel_state[j - 1], win) for j in range(1, taps)]
+    return srcs[::-1] + [x]
+
+
+def mix_sequence(conv_in, conv_w, ba, z, path, state, fresh, a_log, dt_bias, lin_norm, write,
+                 *, dims, eps):  # fmt: skip
+    """One sequence's DeltaNet mixing, on values: conv_in from `conv_inputs`, conv_w
+    f32[K, C], ba f32[Np, 2 Hv], z f32[Np, vd], path bool[Np, Np], state(h) the head's
+    committed f32[dk, dv] (ignored when `fresh`), a_log / dt_bias f32[1, Hv], lin_norm
+    f32[1, dv]. Calls write(h, o, k, u, G) per value head: o normed and gated."""
     hk, hv, dk, dv = dims
     kd, r = hk * dk, hv // hk
+    taps = len(conv_in)
+    acc = conv_in[0] * conv_w[0:1]
+    for t in range(1, taps):
+        acc = acc + conv_in[t] * conv_w[t : t + 1]
+    xc = acc * jax.nn.sigmoid(acc)
+    beta = jax.nn.sigmoid(ba[:, :hv])
+    g = -jnp.exp(a_log) * jax.nn.softplus(ba[:, hv:] + dt_bias)
+    for kh in range(hk):
+        q = la.l2norm(xc[:, kh * dk : (kh + 1) * dk]) * dk**-0.5
+        k = la.l2norm(xc[:, kd + kh * dk : kd + (kh + 1) * dk])
+        for h in range(kh * r, (kh + 1) * r):
+            v = xc[:, 2 * kd + h * dv : 2 * kd + (h + 1) * dv]
+            s0 = jnp.where(fresh, 0.0, state(h))
+            o, u, big_g = delta_rows(q, k, v, g[:, h : h + 1], beta[:, h : h + 1], s0, path)
+            zh = z[:, h * dv : (h + 1) * dv]
+            write(h, ops.rms(o, lin_norm, eps) * (zh * jax.nn.sigmoid(zh)), k, u, big_g)
 
+
+def _mix_kernel(slots_ref, lens_ref, x_ref, ba_ref, z_ref, win_ref, mask_ref, selb_ref,
+                sels_ref, conv_ref, alog_ref, dtb_ref, norm_ref, rec_hbm, o_ref, k_ref,
+                u_ref, g_ref, s_buf, sem, *, dims, np_, eps, batch):  # fmt: skip
     def state_copy(b, slot):
         return pltpu.make_async_copy(rec_hbm.at[slots_ref[b]], s_buf.at[slot], sem.at[slot])
 
@@ -199,35 +230,21 @@ def _mix_kernel(slots_ref, lens_ref, x_ref, ba_ref, z_ref, win_ref, mask_ref, se
         def _():
             state_copy(b + 1, 1 - slot).start()
 
-        row0 = pl.multiple_of(b * np_, 8)
-        rows = pl.ds(row0, np_)
-        x = x_ref[rows, :]
-        w = conv_ref[...]
-        acc = x * w[taps - 1 : taps]
-        for j in range(1, taps):  # the ancestor at distance j, in the block or the window
-            src = ops.dot(selb_ref[b, j - 1], x) + ops.dot(sels_ref[b, j - 1], win_ref[b])
-            acc = acc + src * w[taps - 1 - j : taps - j]
-        xc = acc * jax.nn.sigmoid(acc)
-        ba = ba_ref[rows, :]
-        beta = jax.nn.sigmoid(ba[:, :hv])
-        g = -jnp.exp(alog_ref[...]) * jax.nn.softplus(ba[:, hv:] + dtb_ref[...])
-        path = mask_ref[b] > 0
-        z = z_ref[rows, :]
+        rows = pl.ds(pl.multiple_of(b * np_, 8), np_)
+        conv_in = conv_inputs(x_ref[rows, :], win_ref[b], selb_ref[b], sels_ref[b])
         state_copy(b, slot).wait()
-        fresh = lens_ref[b] == 0
-        for kh in range(hk):
-            q = la.l2norm(xc[:, kh * dk : (kh + 1) * dk]) * dk**-0.5
-            k = la.l2norm(xc[:, kd + kh * dk : kd + (kh + 1) * dk])
-            for h in range(kh * r, (kh + 1) * r):
-                v = xc[:, 2 * kd + h * dv : 2 * kd + (h + 1) * dv]
-                s0 = jnp.where(fresh, 0.0, s_buf[slot, h])
-                o, u, big_g = delta_rows(q, k, v, g[:, h : h + 1], beta[:, h : h + 1], s0, path)
-                o = ops.rms(o, norm_ref[...], eps)
-                zh = z[:, h * dv : (h + 1) * dv]
-                o_ref[h, rows, :] = o * (zh * jax.nn.sigmoid(zh))
-                k_ref[h, rows, :] = k
-                u_ref[h, rows, :] = u
-                g_ref[h, rows, :] = big_g
+
+        def write(h, o, k, u, big_g):
+            o_ref[h, rows, :] = o
+            k_ref[h, rows, :] = k
+            u_ref[h, rows, :] = u
+            g_ref[h, rows, :] = big_g
+
+        mix_sequence(
+            conv_in, conv_ref[...], ba_ref[rows, :], z_ref[rows, :], mask_ref[b] > 0,
+            lambda h: s_buf[slot, h], lens_ref[b] == 0, alog_ref[...], dtb_ref[...],
+            norm_ref[...], write, dims=dims, eps=eps,
+        )  # fmt: skip
         return carry
 
     jax.lax.fori_loop(0, batch, sequence, 0)
