@@ -37,6 +37,9 @@ def attend_row(r, p, li, b, carry):
         init = (m, jnp.sum(e, axis=1, keepdims=True), acc)
         _, lsum, acc = attend_cache(r, p, li, g, jnp.maximum(slot, 0), length, q, qpos, init)
         out = acc / lsum
+        if p.gated:  # Qwen3.5 / Qwen3-Next: a sigmoid gate per output channel
+            gate = r.gate_ref[heads, pl.ds(row0, np_), :].reshape(g_ * np_, hd)
+            out = out * jax.nn.sigmoid(gate)
         r.attn_ref[heads, pl.ds(row0, np_), :] = out.reshape(g_, np_, hd).astype(p.wdtype)
         write_block_kv(r, p, li, g, row0, slot, length)
         return c

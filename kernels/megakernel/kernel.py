@@ -78,7 +78,7 @@ from jax.sharding import PartitionSpec as P
 
 from specdec.kernels import transformer
 from specdec.kernels.config import ModelConfig
-from specdec.kernels.megakernel import attention, collectives, ops, shard, tuning
+from specdec.kernels.megakernel import attention, collectives, hybrid, ops, shard, tuning
 from specdec.kernels.megakernel.collectives import AXIS
 from specdec.kernels.megakernel.reference import VerifyResult, decide, tree_block
 from specdec.kernels.megakernel.tuning import BlockSizes
@@ -136,6 +136,8 @@ def _verify(
     """`reference.verify` as one Pallas kernel (module docstring)."""
     tp = _mesh_size(mesh)
     shard.check_shardable(cfg, tp, tpu=not interpret)
+    if cfg.is_hybrid:  # `shard.prepare_params` restacks once at load instead
+        params = hybrid.kernel_params(cfg, params)
     _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, uniforms, cfg, tp)
     b, n = tokens.shape
     wdtype = params["layers"]["wq"].dtype
@@ -151,7 +153,7 @@ def _verify(
     block_sizes.validate(local, max_len=cache.max_len, tpu=not interpret)
     if tp > 1 and interpret is True:  # remote DMAs need the TPU interpreter
         interpret = pltpu.InterpretParams()
-    logits, greedy, cache = _verify_call(
+    logits, greedy, cache, lin = _verify_call(
         params, cache, roots, tokens, parents, slots, cache_lens,
         cfg=cfg, local=local, bs=block_sizes, interpret=interpret, mesh=mesh,
     )  # fmt: skip
@@ -160,7 +162,7 @@ def _verify(
         logits, block, mask, tokens, parents, draft_probs, sampling, uniforms, child_sampling,
         greedy=greedy,
     )  # fmt: skip
-    return VerifyResult(*verdict, logits, cache)
+    return VerifyResult(*verdict, logits, cache, lin)
 
 
 def _mesh_size(mesh: Mesh | None) -> int:
@@ -204,7 +206,7 @@ def _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, unif
     ):
         if arr.shape != shape:
             raise ValueError(f"{name} must have shape {shape}, got {arr.shape}.")
-    expect = (cfg.num_layers, cache.num_slots, cfg.num_kv_heads, cache.max_len, cfg.head_dim)
+    expect = (cfg.num_cache_layers, cache.num_slots, cfg.num_kv_heads, cache.max_len, cfg.head_dim)
     if cache.k.shape != expect or cache.v.shape != cache.k.shape:
         raise ValueError(
             f"cache.k and cache.v must have shape {expect}, got {cache.k.shape} and "
@@ -225,7 +227,12 @@ def _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, unif
         )
     lp = params["layers"]
     head = params[shard.head_leaf(cfg)[0]]
-    streamed = {name: lp[name] for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+    streamed = {name: lp[name] for name in ("wq", "wk", "wv", "wo", "wg", "w_gate", "w_up",
+                                            "w_down") if name in lp}  # fmt: skip
+    if cfg.is_hybrid:
+        streamed |= {name: params["lin"][name] for name in hybrid.LINEAR_HBM}
+        if cache.lin is None:
+            raise ValueError("A hybrid model's cache must hold its linear layers' state (lin).")
     for name, w in (streamed | {"LM head": head}).items():
         if w.dtype != lp["wq"].dtype:
             raise ValueError(
@@ -256,14 +263,17 @@ def _verify_call(
     attn_mask = anc
     if cfg.sliding_window is not None:
         attn_mask = anc & (positions[:, :, None] - positions[:, None, :] < cfg.sliding_window)
-    # RoPE tables for a proj_cols-wide tile holding whole heads (period head_dim).
+    # RoPE tables for a proj_cols-wide tile holding whole heads (period head_dim); the
+    # lanes past rotary_dim pass through (cos 1, sin 0).
     inv_freq = jnp.asarray(transformer.rope_inv_freq(cfg))
-    freqs = positions.reshape(m).astype(f32)[:, None] * inv_freq  # [M, hd/2]
+    freqs = positions.reshape(m).astype(f32)[:, None] * inv_freq  # [M, rot/2]
     lane = np.arange(bs.proj_cols) % hd
-    first = lane < hd // 2
-    freq_idx = np.where(first, lane, lane - hd // 2)
-    cos = jnp.cos(freqs)[:, freq_idx]
+    half = cfg.rotary_dim // 2
+    first, rotated = lane < half, lane < 2 * half
+    freq_idx = np.where(first, lane, np.where(rotated, lane - half, 0))
+    cos = jnp.where(rotated, jnp.cos(freqs)[:, freq_idx], 1.0)
     sin = jnp.where(first, -jnp.sin(freqs)[:, freq_idx], jnp.sin(freqs)[:, freq_idx])
+    sin = jnp.where(rotated, sin, 0.0)
     # Per-row tree facts for the greedy walk (block index space: root = 0, node i = i + 1).
     valid = jnp.pad(
         jnp.concatenate([jnp.zeros((b, 1), bool), parents >= -1], 1), ((0, 0), (0, pad))
@@ -304,26 +314,40 @@ def _verify_call(
         "head": (params[head], head_axis),
         "k_cache": (cache.k, 2), "v_cache": (cache.v, 2),
     }  # fmt: skip
+    if cfg.attn_output_gate:
+        split_in["wg"] = (lp["wg"], 2)
+    tables = {}
+    if cfg.is_hybrid:
+        lin_rows, lin_split, tables = hybrid.step_inputs(
+            cfg, params, cache, anc[:, :n1, :n1], positions[:, :n1], cache_lens, slots, np_
+        )
+        rows_in |= lin_rows
+        split_in = {k: v for k, v in split_in.items() if k not in ("k_cache", "v_cache")}
+        split_in |= lin_split | {"k_cache": (cache.k, 2), "v_cache": (cache.v, 2)}
     row_lens = jnp.where(slots >= 0, cache_lens, 0).astype(i32)
+    tp = _mesh_size(mesh)
     run = functools.partial(
         _device_call, names=(*rows_in, *split_in), local=local, bs=bs, batch=b,
-        num_nodes=n, vocab=cfg.vocab_size, interpret=interpret, tp=_mesh_size(mesh),
+        num_nodes=n, vocab=cfg.vocab_size, interpret=interpret, tp=tp,
     )  # fmt: skip
-    args = (slots.astype(i32), row_lens, *rows_in.values(), *(a for a, _ in split_in.values()))
+    scalars = (slots.astype(i32), row_lens, *tables.values())
+    args = (*scalars, *rows_in.values(), *(a for a, _ in split_in.values()))
+    rec_cuts = [_cut(len(s), axis) for s, axis in hybrid.record_shapes(local, m)] if tables else []
     if mesh is None:
-        logits, verdict, k_cache, v_cache = run(*args)
+        logits, verdict, k_cache, v_cache, *recs = run(*args)
     else:
         cut = [_cut(a.ndim, axis) for a, axis in split_in.values()]
-        logits, verdict, k_cache, v_cache = jax.shard_map(
+        logits, verdict, k_cache, v_cache, *recs = jax.shard_map(
             run,
             mesh=mesh,
-            in_specs=(P(), P(), *[P()] * len(rows_in), *cut),
-            out_specs=(P(None, AXIS), P(), cut[-2], cut[-1]),
+            in_specs=(*[P()] * len(scalars), *[P()] * len(rows_in), *cut),
+            out_specs=(P(None, AXIS), P(), cut[-2], cut[-1], *rec_cuts),
             check_vma=False,  # the verdict is replicated by construction (collectives)
         )(*args)
     logits = logits.reshape(b, np_, -1)[:, :n1, : cfg.vocab_size]
     greedy = Verdict(verdict[:, 0, :n], verdict[:, 1, 0], verdict[:, 2, 0])
-    return logits, greedy, KVCache(k=k_cache, v=v_cache)
+    lin = hybrid.records(recs, cfg, b, np_, n1, tp) if recs else None
+    return logits, greedy, KVCache(k=k_cache, v=v_cache, lin=cache.lin), lin
 
 
 def _cut(ndim: int, axis: int) -> P:
@@ -332,15 +356,16 @@ def _cut(ndim: int, axis: int) -> P:
     return P(*parts)
 
 
-def _device_call(
-    slots, row_lens, *arrays, names, local, bs, batch, num_nodes, vocab, interpret, tp
-):
+def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, tp):
     """One device's pallas_call over its shards (`local` is its part of the model)."""
+    nsp = 4 if local.is_hybrid else 2  # scalar prefetch: slots, lens (+ layer tables)
+    scalars, arrays = arrays[:nsp], arrays[nsp:]
     ins = dict(zip(names, arrays, strict=True))
     k_cache, v_cache = ins.pop("k_cache"), ins.pop("v_cache")
     wdtype, cdtype = ins["wq"].dtype, k_cache.dtype
-    hbm_names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "head")
-    hbm_in = {name: ins.pop(name) for name in hbm_names}
+    hbm_names = ("wq", "wk", "wv", "wo", "wg", "w_gate", "w_up", "w_down", "head",
+                 *hybrid.LINEAR_HBM, "rec", "win_q", "win_k", "win_v")  # fmt: skip
+    hbm_in = {name: ins.pop(name) for name in hbm_names if name in ins}
     vmem_in = ins
     L, m = local.num_layers, ins["x0"].shape[0]
     for name in ("bq", "bk", "bv"):  # one sublane row per tile: the kernel picks row j
@@ -369,12 +394,19 @@ def _device_call(
     if tp > 1:
         sems.append(pltpu.SemaphoreType.DMA((6, tp)))  # collectives: (send, recv) x 3 phases
         sem_names.append("coll_sem")
+    if local.is_hybrid:
+        for name, shape in hybrid.SEMAPHORES:
+            sems.append(pltpu.SemaphoreType.DMA(shape))
+            sem_names.append(name)
+    rec_names = ["rx_q", "rx_k", "rx_v", "rk", "ru", "rg"] if local.is_hybrid else []
     names = (
         ["slots_ref", "lens_ref"]
+        + (["kinds_ref", "kidx_ref"] if local.is_hybrid else [])
         + [f"{name}_ref" for name in vmem_in]
         + [f"{name}_hbm" for name in hbm_in]
         + ["k_in_hbm", "v_in_hbm"]
         + ["logits_hbm", "verdict_ref", "k_hbm", "v_hbm"]
+        + [f"{name}_hbm" for name in rec_names]
         + [f"{buf.name}_ref" for buf in buffers if buf.kind == "scratch"]
         + sem_names
     )
@@ -384,6 +416,7 @@ def _device_call(
         H=local.num_heads, K=local.num_kv_heads, G=local.q_per_kv, hd=local.head_dim, L=L,
         V=vs, T=k_cache.shape[3], wdtype=wdtype, cdtype=cdtype,
         rmw_rows=tuning.kv_write_rows(num_nodes, cdtype), tp=tp, vocab=vocab,
+        hybrid=local.is_hybrid, gated=local.attn_output_gate, rot=local.rotary_dim,
     )  # fmt: skip
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
@@ -394,18 +427,22 @@ def _device_call(
         jax.ShapeDtypeStruct(k_cache.shape, cdtype),
         jax.ShapeDtypeStruct(v_cache.shape, cdtype),
     )
+    if local.is_hybrid:
+        m_rows = batch * np_
+        out_shape += tuple(jax.ShapeDtypeStruct(s, jnp.float32)
+                           for s, _ in hybrid.record_shapes(local, m_rows))  # fmt: skip
     call = pl.pallas_call(
         functools.partial(_kernel, p=plan, names=names),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=nsp,
             grid=(1,),
             in_specs=[vmem] * len(vmem_in) + [hbm] * (len(hbm_in) + 2),
-            out_specs=[hbm, vmem, hbm, hbm],
+            out_specs=[hbm, vmem, hbm, hbm] + [hbm] * len(rec_names),
             scratch_shapes=scratch + sems,
         ),
         # Operand indices count the two scalar-prefetch operands.
-        input_output_aliases={2 + n_in: 2, 3 + n_in: 3},
+        input_output_aliases={nsp + n_in: 2, nsp + n_in + 1: 3},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
             vmem_limit_bytes=bs.vmem_limit_bytes,
@@ -415,7 +452,7 @@ def _device_call(
         interpret=interpret,
         name="verify_megakernel",
     )
-    return call(slots, row_lens, *vmem_in.values(), *hbm_in.values(), k_cache, v_cache)
+    return call(*scalars, *vmem_in.values(), *hbm_in.values(), k_cache, v_cache)
 
 
 def _cost(cfg: ModelConfig, weights: dict, k_cache: jax.Array, rows: int) -> pl.CostEstimate:
@@ -505,23 +542,39 @@ def _kernel(*refs, p, names):
     ring, mlp_ring = bs.weight_ring, bs.mlp_ring  # qkv / o / LM head rings; the MLP's
 
     def open_q(li, prev_ahead):
-        return ops.opener(proj_copies("wq", li), 0, nq, ring, prev_ahead)
+        """Starts tile k of layer li's first stream: wq, or a linear layer's lq."""
+        if not p.hybrid:
+            return ops.opener(proj_copies("wq", li), 0, nq, ring, prev_ahead)
 
-    def layer(li, carry):
-        r.h_ref[...] = ops.rms(r.x_ref[...], r.attn_norm_ref[pl.ds(li, 1), :], eps).astype(p.wdtype)
-        qkv = [("q", nq), ("k", nk), ("v", nk)]
-        offset = 0  # q, k and v share one ring
+        def nxt(k):
+            kind, idx = r.kinds_ref[li], r.kidx_ref[li]
+
+            @pl.when(kind == hybrid.KIND_ATTENTION)
+            def _():
+                ops.opener(proj_copies("wq", idx), 0, nq, ring, prev_ahead)(k)
+
+            @pl.when(kind == hybrid.KIND_LINEAR)
+            def _():
+                lq = hybrid.lin_proj_copies(r, p, "w_lq", idx)
+                ops.opener(lq, 0, hybrid.first_tiles(p), ring, prev_ahead)(k)
+
+        return nxt
+
+    def attention_mixer(li, ai, open_mlp):
+        """Layer li's attention (ai: its index among the attention layers)."""
+        qkv = [("q", nq), ("k", nk), ("v", nk)] + ([("g", nq)] if p.gated else [])
+        offset = 0  # q, k, v (and the gate) share one ring
         for idx, (name, n) in enumerate(qkv):
             if idx + 1 < len(qkv):
                 nxt_name, nxt_n = qkv[idx + 1]
-                nxt = ops.opener(proj_copies(f"w{nxt_name}", li), offset + n, nxt_n, ring, ring - 1)
+                nxt = ops.opener(proj_copies(f"w{nxt_name}", ai), offset + n, nxt_n, ring, ring - 1)
             else:
-                nxt = ops.opener(o_copies(li), 0, no, ring, ring - 1)
-            body = functools.partial(_project, r, p, li, name)
-            ops.stream(n, offset, proj_copies(f"w{name}", li), body, ring=ring, nxt=nxt)
+                nxt = ops.opener(o_copies(ai), 0, no, ring, ring - 1)
+            body = functools.partial(_project, r, p, ai, name)
+            ops.stream(n, offset, proj_copies(f"w{name}", ai), body, ring=ring, nxt=nxt)
             offset += n
 
-        jax.lax.fori_loop(0, p.B, functools.partial(attention.attend_row, r, p, li), 0)
+        jax.lax.fori_loop(0, p.B, functools.partial(attention.attend_row, r, p, ai), 0)
 
         def o_tile(j, slot, c):
             # Row tile j of wo covers heads [j * hpt, (j + 1) * hpt): x += sum_h attn_h @ wo_h.
@@ -534,8 +587,24 @@ def _kernel(*refs, p, names):
             return c
 
         start_update()
-        nxt = ops.opener(mlp_copies(li), 0, nf, mlp_ring, ring - 1)
-        ops.stream(no, 0, o_copies(li), o_tile, ring=ring, nxt=nxt)
+        ops.stream(no, 0, o_copies(ai), o_tile, ring=ring, nxt=open_mlp)
+
+    def layer(li, carry):
+        r.h_ref[...] = ops.rms(r.x_ref[...], r.attn_norm_ref[pl.ds(li, 1), :], eps).astype(p.wdtype)
+        open_mlp = ops.opener(mlp_copies(li), 0, nf, mlp_ring, ring - 1)
+        if p.hybrid:
+            kind, idx = r.kinds_ref[li], r.kidx_ref[li]
+
+            @pl.when(kind == hybrid.KIND_ATTENTION)
+            def _():
+                attention_mixer(li, idx, open_mlp)
+
+            @pl.when(kind == hybrid.KIND_LINEAR)
+            def _():
+                hybrid.linear_mixer(r, p, idx, acc_ref=acc_ref, start_update=start_update,
+                                    open_out_next=open_mlp)  # fmt: skip
+        else:
+            attention_mixer(li, li, open_mlp)
         reduce_into_x()  # the first MLP tiles are already in flight
         r.h_ref[...] = ops.rms(r.x_ref[...], r.mlp_norm_ref[pl.ds(li, 1), :], eps).astype(p.wdtype)
 
@@ -626,33 +695,36 @@ def _kernel(*refs, p, names):
 
 
 def _project(r, p, li, name, j, slot, carry):
-    """qkv tile j of `name` ("q", "k" or "v"): bias, q/k norm, RoPE; stores it head-major."""
+    """qkv tile j of `name` ("q", "k", "v" or the output gate's "g"): bias, q/k norm,
+    RoPE; stores it head-major."""
     cfg, tp, hd = p.cfg, p.bs.proj_cols, p.hd
     y = ops.dot(r.h_ref[...], r.qkv_buf_ref[slot])  # [M, tp]
     if cfg.attention_bias:  # b{name} is f32[L, tiles, tp]
         y = y + getattr(r, f"b{name}_ref")[li, pl.ds(j, 1), :]
     hpt = tp // hd
     heads = [y[:, t * hd : (t + 1) * hd] for t in range(hpt)]
-    if name != "v":
+    if name in ("q", "k"):
         if cfg.qk_norm:
             w = getattr(r, f"{name}_norm_ref")[pl.ds(li, 1), :]
             heads = [ops.rms(x, w, cfg.rms_norm_eps) for x in heads]
             y = jnp.concatenate(heads, axis=1) if hpt > 1 else heads[0]
-        y = _rope(y, r.cos_ref[...], r.sin_ref[...], hd)
+        y = _rope(y, r.cos_ref[...], r.sin_ref[...], hd, p.rot)
         heads = [y[:, t * hd : (t + 1) * hd] for t in range(hpt)]
-    dst = getattr(r, f"{name}_ref")
+    dst = r.gate_ref if name == "g" else getattr(r, f"{name}_ref")
     for t, x in enumerate(heads):
         dst[j * hpt + t] = x
     return carry
 
 
-def _rope(y, cos, sin, hd):
-    """Rotate-half RoPE on whole heads laid side by side: y, cos, sin f32[M, tp].
+def _rope(y, cos, sin, hd, rot):
+    """Rotate-half RoPE on the first `rot` dims of whole heads laid side by side: y, cos,
+    sin f32[M, tp].
 
-    Lane c of a head pairs with c + hd/2 (first half) or c - hd/2 (second half); two
-    lane rotations fetch both partners and `sin` carries the sign (-sin, then +sin).
+    Lane c of a head pairs with c + rot/2 (first half) or c - rot/2 (second half); two
+    lane rotations fetch both partners and `sin` carries the sign (-sin, then +sin; 0 on
+    the lanes past `rot`, which pass through with cos = 1).
     """
-    width, half = y.shape[1], hd // 2
+    width, half = y.shape[1], rot // 2
     ahead = pltpu.roll(y, width - half, 1)  # y[c + half]
     behind = pltpu.roll(y, half, 1)  # y[c - half]
     partner = jnp.where(jax.lax.rem(ops.iota(y.shape, 1), hd) < half, ahead, behind)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from specdec.kernels import transformer
 from specdec.kernels.config import ModelConfig
+from specdec.kernels.linear_attention import LinearBlock
 from specdec.kernels.transformer import KVCache, Params
 from specdec.verify import masks
 from specdec.verify.acceptance import ACCEPTANCE_RULES, Verdict, greedy_accept
@@ -50,6 +51,10 @@ class VerifyResult(NamedTuple):
     bonus: jax.Array  # i32[B], the target's own token after the accepted path
     logits: jax.Array  # f32[B, N + 1, V], row 0 at the root, row i + 1 at node i
     cache: KVCache  # block K/V written at cache_lens[b] + block index (not yet committed)
+    # A hybrid model's linear layers: the block's record (leaves [Ll, B, N + 1, ...]),
+    # committed for the accepted path by `transformer.write_kv(..., keep, counts)`;
+    # the cache's linear state is left as it was.
+    lin: LinearBlock | None = None
 
 
 def tree_block(
@@ -168,10 +173,18 @@ def verify(
 ) -> VerifyResult:
     """Tree forward + acceptance (module docstring); the cache comes back uncommitted."""
     block, positions, mask = tree_block(roots, tokens, parents, cache_lens)
-    logits, cache = transformer.forward_block(
-        params, cache, block, positions, mask, slots, cache_lens, cfg=cfg
-    )
+    lin = None
+    if cfg.is_hybrid:  # K/V written, the linear layers' record returned uncommitted
+        logits, ks, vs = transformer.block_logits_kv(
+            params, cache, block, positions, mask, slots, cache_lens, cfg=cfg
+        )
+        lin = ks.lin
+        cache = transformer.write_kv(cache, ks.k, vs, slots, cache_lens)
+    else:
+        logits, cache = transformer.forward_block(
+            params, cache, block, positions, mask, slots, cache_lens, cfg=cfg
+        )
     verdict = decide(
         logits, block, mask, tokens, parents, draft_probs, sampling, uniforms, child_sampling
     )
-    return VerifyResult(*verdict, logits, cache)
+    return VerifyResult(*verdict, logits, cache, lin)

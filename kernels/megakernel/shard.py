@@ -78,12 +78,10 @@ def check_shardable(cfg: ModelConfig, n: int, *, tpu: bool = False) -> None:
             f"The verify megakernel covers grouped-query attention only; {cfg.architecture.value} "
             f"with multi-head latent attention must use kernel='xla'."
         )
-    if cfg.is_hybrid or cfg.attn_output_gate or cfg.rotary_dim != cfg.head_dim:
-        raise ValueError(
-            f"The verify megakernel does not cover {cfg.architecture.value}'s linear-attention "
-            f"(gated DeltaNet), gated or partially rotated attention layers yet; use "
-            f"kernel='xla'."
-        )
+    if cfg.is_hybrid:
+        from specdec.kernels.megakernel import hybrid
+
+        hybrid.check(cfg, n)
     if cfg.is_moe:
         raise ValueError(
             f"The verify megakernel covers dense models only; {cfg.architecture.value} with "
@@ -170,6 +168,10 @@ def prepare_params(cfg: ModelConfig, params: Params, n: int) -> tuple[ModelConfi
     """Once, at load: K/V heads replicated where needed and the vocabulary padded, so
     the n-device kernel streams `params` as they are (no per-step copy)."""
     check_shardable(cfg, n)
+    if cfg.is_hybrid:  # the kernel's stacks (`hybrid` module docstring)
+        from specdec.kernels.megakernel import hybrid
+
+        params = hybrid.kernel_params(cfg, params)
     cfg, params = replicate_kv_heads(cfg, params, n)
     return cfg, pad_head(cfg, params, padded_vocab(cfg.vocab_size, n))
 
@@ -179,12 +181,19 @@ def local_config(cfg: ModelConfig, n: int, head_cols: int) -> ModelConfig:
     intermediate columns and `head_cols / n` vocabulary columns."""
     if n == 1:
         return dataclasses.replace(cfg, vocab_size=head_cols)
+    linear = {}
+    if cfg.is_hybrid:
+        linear = {
+            "linear_num_key_heads": cfg.linear_num_key_heads // n,
+            "linear_num_value_heads": cfg.linear_num_value_heads // n,
+        }
     return dataclasses.replace(
         cfg,
         num_heads=cfg.num_heads // n,
         num_kv_heads=cfg.num_kv_heads // n,
         intermediate_size=cfg.intermediate_size // n,
         vocab_size=head_cols // n,
+        **linear,
     )
 
 

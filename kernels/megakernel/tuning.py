@@ -131,6 +131,19 @@ class BlockSizes:
             raise ValueError(
                 f"BlockSizes.proj_cols ({self.proj_cols}) must be a multiple of head_dim ({hd})."
             )
+        if cfg.is_hybrid:
+            kd, vd, _ = cfg.linear_dims
+            dv = cfg.linear_value_head_dim
+            if kd % self.proj_cols or vd % self.proj_cols:
+                raise ValueError(
+                    f"BlockSizes.proj_cols ({self.proj_cols}) must divide the linear layers' "
+                    f"key width ({kd}) and value width ({vd}) on each device."
+                )
+            if vd % self.out_rows or self.out_rows % dv:
+                raise ValueError(
+                    f"BlockSizes.out_rows ({self.out_rows}) must be a multiple of "
+                    f"linear_value_head_dim ({dv}) dividing the value width ({vd})."
+                )
         if self.vocab_cols > cfg.vocab_size:
             raise ValueError(
                 f"BlockSizes.vocab_cols ({self.vocab_cols}) must be at most vocab_size "
@@ -233,7 +246,13 @@ def vmem_buffers(
             Buffer("bv", (L, kvd // pc, pc), f32, "input"),
         ]
     if cfg.qk_norm:
-        bufs += [Buffer("q_norm", (L, hd), f32, "input"), Buffer("k_norm", (L, hd), f32, "input")]
+        la = cfg.num_cache_layers  # the attention layers'
+        bufs += [Buffer("q_norm", (la, hd), f32, "input"), Buffer("k_norm", (la, hd), f32, "input")]
+    if cfg.is_hybrid:
+        from specdec.kernels.megakernel import hybrid
+
+        lin = hybrid.vmem_buffers(cfg, batch=batch, np_=np_, weight_dtype=wdt)
+        bufs += [buf for buf in lin if buf.kind == "input"]
     bufs += [
         Buffer("verdict", (batch, 8, np_), i32, "output"),
         # scratch, in declaration order
@@ -255,6 +274,10 @@ def vmem_buffers(
         Buffer("rmw_buf", (kv_write_rows(num_nodes, cdt), hd), cdt, "scratch"),
         Buffer("argmax", (m, 1), i32, "scratch"),
     ]
+    if cfg.attn_output_gate:
+        bufs.append(Buffer("gate", (h, m, hd), f32, "scratch"))
+    if cfg.is_hybrid:
+        bufs += [buf for buf in lin if buf.kind == "scratch"]
     if tp > 1:
         chunk = d // tp
         bufs += [
@@ -319,15 +342,23 @@ def default_block_sizes(
     tile is at its minimum, in which case the compiler gets the final word).
     """
     hd, kvd = cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    qd = cfg.num_heads * hd
+    out_q = hd
+    if cfg.is_hybrid:  # tiles shared with the linear layers' projections (`hybrid`)
+        kd, vd, _ = cfg.linear_dims
+        kvd = math.gcd(kvd, kd, vd)
+        qd = math.gcd(qd, vd)
+        out_q = math.lcm(hd, cfg.linear_value_head_dim)
     proj_q = math.lcm(hd, LANES)
     caps = {"proj_cols": 512, "out_rows": 512, "mlp_cols": 512, "vocab_cols": 2048}
-    floor = {"proj_cols": proj_q, "out_rows": max(hd, 16), "mlp_cols": LANES, "vocab_cols": LANES}
+    floor = {"proj_cols": proj_q, "out_rows": max(out_q, 16), "mlp_cols": LANES,
+             "vocab_cols": LANES}  # fmt: skip
 
     def build(caps):
         kv_rows = min(512, max_len - max_len % 16) or max_len
         return BlockSizes(
             proj_cols=_largest_tile(kvd, max(caps["proj_cols"], proj_q), proj_q),
-            out_rows=_largest_tile(cfg.num_heads * hd, max(caps["out_rows"], hd), hd),
+            out_rows=_largest_tile(qd, max(caps["out_rows"], out_q), out_q),
             mlp_cols=_largest_tile(cfg.intermediate_size, caps["mlp_cols"], LANES),
             vocab_cols=_vocab_tile(cfg.vocab_size, caps["vocab_cols"]),
             kv_rows=kv_rows,
