@@ -1,0 +1,72 @@
+"""Child process of tests/test_megakernel_hybrid.py: the hybrid megakernel split over n
+virtual CPU devices (linear heads, attention heads, MLP columns, vocabulary) against
+the one-device reference. Needs XLA_FLAGS with >= n host devices; prints one JSON line.
+
+    python tests/hybrid_tp_check.py --tp 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+from test_megakernel_hybrid import TOPK, batch, copy, hybrid_cache, hybrid_model
+
+from specdec.kernels import sharding
+from specdec.kernels.megakernel import BlockSizes, kernel, reference, shard
+from specdec.verify.batch import SamplingBatch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, required=True)
+    args = ap.parse_args()
+    n = args.tp
+    # Four key / eight value heads so every device holds whole heads at n = 4.
+    cfg, params = hybrid_model(linear_num_key_heads=4, linear_num_value_heads=8, vocab_size=300)
+    cache = hybrid_cache(cfg, jnp.float32)
+    roots, tokens, parents, slots, lens = batch("tree")
+    b, nodes = tokens.shape
+    sampling, uniforms = SamplingBatch.make_dummy(b), np.zeros((b, nodes + 1), np.float32)
+    rest = (roots, tokens, parents, None, slots, lens, sampling, uniforms)
+    ref = reference.verify(params, copy(cache), *rest, cfg=cfg, child_sampling=TOPK)
+
+    mesh = sharding.make_mesh(jax.devices()[:n])
+    cfg_n, params_n = shard.prepare_params(cfg, params, n)
+    reps = cfg_n.num_kv_heads // cfg.num_kv_heads
+    cache_n = copy(cache)
+    cache_n = type(cache)(k=jnp.repeat(cache_n.k, reps, axis=2),
+                          v=jnp.repeat(cache_n.v, reps, axis=2), lin=cache_n.lin)  # fmt: skip
+    blocks = BlockSizes(proj_cols=16, out_rows=16, mlp_cols=32, vocab_cols=96, kv_rows=16)
+    out = kernel.verify(
+        params_n, cache_n, *rest, cfg=cfg_n, child_sampling=TOPK, block_sizes=blocks,
+        interpret=pltpu.InterpretParams(detect_races=True), mesh=mesh,
+    )  # fmt: skip
+    jax.block_until_ready(out)
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
+
+    live = slots >= 0  # an inactive row's answer is nobody's
+    valid = np.concatenate([np.ones((b, 1), bool), parents >= -1], axis=1) & live[:, None]
+    record_err = max(
+        float(np.max(np.abs(np.asarray(getattr(out.lin, f)) - np.asarray(getattr(ref.lin, f)))
+                     [:, valid]))
+        for f in ("x", "k", "u", "g")
+    )  # fmt: skip
+    print(json.dumps({
+        "races": bool(tpu_interpret.races is not None and tpu_interpret.races.races_found),
+        "verdict_equal": bool(
+            np.array_equal(np.asarray(out.bonus)[live], np.asarray(ref.bonus)[live])
+            and np.array_equal(np.asarray(out.accepted_nodes)[live],
+                               np.asarray(ref.accepted_nodes)[live])
+        ),
+        "logit_err": float(np.max(np.abs(np.asarray(out.logits) - np.asarray(ref.logits))[live])),
+        "record_err": record_err,
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
