@@ -80,6 +80,53 @@ class LinearBlock:
     g: jax.Array
 
 
+# The megakernel's stacks of a hybrid model (`megakernel.hybrid.kernel_params`):
+# shared per-layer weights [L, ...] in `layers` beside the attention layers' [La, ...],
+# the linear layers' [Ll, ...] under `lin`.
+SHARED_KEYS = ("attn_norm", "mlp_norm", "w_gate", "w_up", "w_down")
+ATTN_KEYS = ("wq", "wk", "wv", "wo", "wg", "q_norm", "k_norm", "bq", "bk", "bv")
+
+
+def stacked_layout(cfg: ModelConfig, params: dict) -> dict:
+    """A hybrid model's per-layer tuple restacked as the megakernel streams it: the
+    linear layers' q / k / v projections and convolution split by part (each splits
+    over devices by heads on its own), b and a side by side as w_ba [2, D, Hv]."""
+    if "lin" in params:
+        return params
+    layers = params["layers"]
+    att = [layers[i] for i in cfg.attention_layers]
+    lin = [layers[i] for i in cfg.linear_layers]
+    stacked = {k: jnp.stack([lp[k] for lp in layers]) for k in SHARED_KEYS}
+    stacked |= {k: jnp.stack([lp[k] for lp in att]) for k in ATTN_KEYS if k in att[0]}
+    kd, _, _ = cfg.linear_dims
+    parts = {"q": slice(0, kd), "k": slice(kd, 2 * kd), "v": slice(2 * kd, None)}
+    out = {f"w_l{p}": jnp.stack([lp["w_qkv"][:, cut] for lp in lin]) for p, cut in parts.items()}
+    out |= {f"conv_{p}": jnp.stack([lp["conv"][:, cut] for lp in lin]) for p, cut in parts.items()}
+    out["w_ba"] = jnp.stack([jnp.stack([lp["w_b"], lp["w_a"]]) for lp in lin])
+    out |= {k: jnp.stack([lp[k] for lp in lin]) for k in ("w_z", "a_log", "dt_bias", "lin_norm",
+                                                          "w_out")}  # fmt: skip
+    return {**params, "layers": stacked, "lin": out}
+
+
+def per_layer(cfg: ModelConfig, params: dict) -> tuple:
+    """The model's per-layer dicts from `stacked_layout`'s stacks (static slices; the
+    linear layers keep their q / k / v projections apart, `transformer._deltanet`
+    takes either form)."""
+    layers, lin = params["layers"], params["lin"]
+    out = []
+    for i in range(cfg.num_layers):
+        j = cfg.cache_layer(i)
+        lp = {k: layers[k][i] for k in SHARED_KEYS}
+        if cfg.linear_layer(i):
+            lp |= {k: v[j] for k, v in lin.items() if not k.startswith(("conv_", "w_ba"))}
+            lp["conv"] = jnp.concatenate([lin[f"conv_{p}"][j] for p in "qkv"], axis=-1)
+            lp["w_b"], lp["w_a"] = lin["w_ba"][j, 0], lin["w_ba"][j, 1]
+        else:
+            lp |= {k: layers[k][j] for k in ATTN_KEYS if k in layers}
+        out.append(lp)
+    return tuple(out)
+
+
 def bytes_per_slot(cfg: ModelConfig, dtype) -> int:
     """Bytes one sequence's linear-layer state holds (independent of its length)."""
     hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim

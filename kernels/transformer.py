@@ -546,7 +546,10 @@ def _deltanet(cfg, lp, h, positions, path, sources, conv0, s0, layout: Layout):
     kd, vd, _ = cfg.linear_dims
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    x = layout.linear(lp, "w_qkv", h)  # [B, N, 2 kd + vd], the convolution's input
+    if "w_qkv" in lp:  # [B, N, 2 kd + vd], the convolution's input
+        x = layout.linear(lp, "w_qkv", h)
+    else:  # the megakernel's stacks keep q / k / v apart (`linear_attention.per_layer`)
+        x = jnp.concatenate([layout.linear(lp, f"w_l{p}", h) for p in "qkv"], axis=-1)
     beta = jax.nn.sigmoid(layout.linear(lp, "w_b", h))
     decay_rate = jnp.exp(lp["a_log"].astype(jnp.float32))
     if cfg.linear_kind == "kda":  # one decay per key channel, low-rank gates
@@ -673,6 +676,8 @@ def _hidden_block(
     """
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][tokens].astype(jnp.float32)
+    if "lin" in params:  # a hybrid model held as the megakernel's stacks
+        params = {**params, "layers": la.per_layer(cfg, params)}
     lin_rows = None
     if cfg.is_hybrid:
         if side is not None:
@@ -955,8 +960,11 @@ def commit_kv(
     cache_lens: jax.Array,  # i32[B] committed length before the step (root's K/V slot)
     src: jax.Array,  # i32[B, P] block index of the accepted node at depth d (d = 1..P)
     num: jax.Array,  # i32[B] accepted nodes per row (<= P)
+    lin: LinearBlock | None = None,  # a hybrid model's verify-block record [Ll, B, N+1, ...]
 ) -> KVCache:
-    """Moves accepted tree nodes' K/V to their committed positions.
+    """Moves accepted tree nodes' K/V to their committed positions (and, for a hybrid
+    model, advances its linear layers' state along the root and the accepted path from
+    the block's record `lin`).
 
     After a verify block [root, node_0, ...] at cache_lens c, node i's K/V sits
     at c + 1 + i; the node accepted at depth d belongs at c + d. Example:
@@ -964,12 +972,18 @@ def commit_kv(
     slot 8 -> 8 and 10 -> 9. Sources are never below targets (topological order),
     so reading all sources before writing is safe.
     """
-    del num  # positions past the accepted path are beyond the new length: free to overwrite
     if cache.lin is not None:
-        raise ValueError(
-            "commit_kv moves K/V only; a hybrid model's linear-layer state is committed "
-            "by write_kv(..., counts=...) from the verify block"
-        )
+        if lin is None:
+            raise ValueError(
+                "A hybrid model's cache needs the verify block's record (lin=) to commit "
+                "its linear layers' state along the accepted path."
+            )
+        keep = jnp.concatenate([jnp.zeros_like(src[:, :1]), src], axis=1)  # root first
+        take = jax.vmap(lambda a, idx: a[:, idx], in_axes=(1, 0), out_axes=1)
+        kept = jax.tree_util.tree_map(lambda a: take(a, keep), lin)
+        state = la.commit_states(cache.lin, kept, slots, cache_lens, num + 1)
+        cache = dataclasses.replace(cache, lin=state)
+    # positions past the accepted path are beyond the new length: free to overwrite
     safe_slots = jnp.clip(slots, 0, cache.num_slots - 1)
     src_pos = jnp.clip(cache_lens[:, None] + src, 0, cache.max_len - 1)  # [B, P]
 

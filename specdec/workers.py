@@ -29,7 +29,7 @@ from specdec.checkpoint import load_model
 from specdec.draft.base import DraftBatch, Drafter
 from specdec.draft.model import ModelDrafter
 from specdec.draft.ngram import NgramDrafter
-from specdec.kernels import dot_library, sharding, transformer
+from specdec.kernels import dot_library, linear_attention, sharding, transformer
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.megakernel.reference import decide, tree_block
 from specdec.kernels.runner import ModelRunner, live_rows, row_bucket
@@ -321,7 +321,7 @@ def _verify_megakernel(r: ModelRunner, roots, tree: DraftBatch, slots, active, s
     )  # fmt: skip
     verdict = Verdict(res.accepted_nodes, res.num_accepted, res.bonus)
     src = jnp.where(res.accepted_nodes >= 0, res.accepted_nodes + 1, 0)
-    r.cache = transformer.commit_kv(res.cache, slots, cache_lens, src, res.num_accepted)
+    r.cache = transformer.commit_kv(res.cache, slots, cache_lens, src, res.num_accepted, res.lin)
     emitted = jax.vmap(emitted_tokens)(tree.tokens, verdict)
     return emitted, res.num_accepted, res.accepted_nodes
 
@@ -364,6 +364,10 @@ class TargetWorker:
             # Once, at load: K/V heads repeated up to n and the vocabulary padded, so
             # each device streams whole shards; the runner's forwards see the same model.
             run_cfg, params = shard.prepare_params(cfg, params, n)
+        elif self.kernel == "megakernel" and cfg.is_hybrid:
+            # Once, at load: the stacks the kernel streams, which the runner's XLA
+            # forwards read too (`linear_attention.per_layer`).
+            params = linear_attention.stacked_layout(cfg, params)
         self.runner = ModelRunner(
             run_cfg,
             params,

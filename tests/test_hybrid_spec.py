@@ -161,8 +161,12 @@ def test_guards_name_what_is_wrong():
         hybrid_config(64, linear_num_key_heads=3)
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         hybrid_config(64, partial_rotary_factor=0.05)
-    with pytest.raises(ValueError, match="linear-attention.*kernel='xla'"):
-        check_shardable(hybrid_config(64), 1)
+    check_shardable(hybrid_config(64), 1)  # gated DeltaNet runs in the megakernel
+    kda = hybrid_config(64, linear_kind="kda", linear_num_value_heads=2)
+    with pytest.raises(ValueError, match="gated DeltaNet.*kernel='xla'"):
+        check_shardable(kda, 1)
+    with pytest.raises(ValueError, match="splits linear_num_key_heads"):
+        check_shardable(hybrid_config(64), 4)
 
 
 @pytest.mark.slow
@@ -192,3 +196,23 @@ def test_the_kv_budget_counts_the_linear_state():
     assert blocks == (budget - slots * state) // block
     with pytest.raises(ValueError, match="After the linear-attention state of 1 slots"):
         kv_pool(cfg, None, "float32", budget=2 * state, num_slots=8, max_len=32, kernel="xla")
+
+
+@pytest.mark.slow
+def test_megakernel_target_equals_xla(pair, prompts):
+    """`kernel="megakernel"` on the hybrid target (Pallas interpret mode): the DeltaNet
+    layers in the kernel, their state committed from its record along accepted tree
+    paths; greedy output equals the XLA target's, tree speculation on."""
+    target, draft = pair
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 8,
+            "max_depth": 4, "topk": 2}  # fmt: skip
+    outs = {}
+    for kernel in ("xla", "megakernel"):
+        llm = LLM(target, max_model_len=MAX_LEN, max_num_seqs=4, speculative_config=spec,
+                  kernel=kernel)  # fmt: skip
+        assert llm.engine.target.kernel == kernel
+        res = llm.generate(prompts[:8], GREEDY, use_tqdm=False)
+        outs[kernel] = [o.outputs[0].token_ids for o in res]
+        m = llm.get_metrics()
+        assert 8 < m["num_accepted_tokens"] < m["num_draft_tokens"], m
+    assert outs["megakernel"] == outs["xla"]

@@ -211,3 +211,18 @@ def test_split_over_devices_matches_the_reference(n):
     assert found["verdict_equal"]
     assert found["logit_err"] < 2e-5, found
     assert found["record_err"] < 2e-5, found
+
+
+def test_the_kernels_stacks_serve_the_xla_forward():
+    """`stacked_layout` (what a megakernel target holds) gives the model's logits and
+    records through the XLA forward (`linear_attention.per_layer`)."""
+    cfg, params = hybrid_model()
+    stacked = la.stacked_layout(cfg, params)
+    assert "lin" in stacked and stacked["lin"]["w_lq"].shape == (3, 64, 32)
+    cache = hybrid_cache(cfg, jnp.float32)
+    roots, tokens, parents, slots, lens = batch("tree")
+    block, positions, mask = reference.tree_block(roots, tokens, parents, lens)
+    want = T.block_logits_kv(params, cache, block, positions, mask, slots, lens, cfg=cfg)
+    got = T.block_logits_kv(stacked, cache, block, positions, mask, slots, lens, cfg=cfg)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-6, rtol=0)

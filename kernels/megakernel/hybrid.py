@@ -39,14 +39,13 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from specdec.kernels import linear_attention as la
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.linear_attention import LinearBlock
 from specdec.kernels.megakernel import deltanet, ops, tuning
 from specdec.kernels.transformer import Params
 
 KIND_ATTENTION, KIND_LINEAR = 0, 1
-ATTN_KEYS = ("wq", "wk", "wv", "wo", "wg", "q_norm", "k_norm", "bq", "bk", "bv")
-SHARED_KEYS = ("attn_norm", "mlp_norm", "w_gate", "w_up", "w_down")
 # name -> the axis n devices split (None: replicated)
 LINEAR_SPLIT = {
     "w_lq": 2, "w_lk": 2, "w_lv": 2, "w_z": 2, "w_ba": 3, "conv_q": 2, "conv_k": 2,
@@ -68,34 +67,9 @@ def layer_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
 
 
 def kernel_params(cfg: ModelConfig, params: Params) -> Params:
-    """The model's per-layer tuple restacked as the kernel streams it (module docstring)."""
-    if is_kernel_layout(params):
-        return params
-    layers = params["layers"]
-    att = [layers[i] for i in cfg.attention_layers]
-    lin = [layers[i] for i in cfg.linear_layers]
-    stacked = {k: jnp.stack([lp[k] for lp in layers]) for k in SHARED_KEYS}
-    stacked |= {k: jnp.stack([lp[k] for lp in att]) for k in ATTN_KEYS if k in att[0]}
-    kd, vd, _ = cfg.linear_dims
-
-    def lin_stack(fn):
-        return jnp.stack([fn(lp) for lp in lin])
-
-    out = {
-        "w_lq": lin_stack(lambda lp: lp["w_qkv"][:, :kd]),
-        "w_lk": lin_stack(lambda lp: lp["w_qkv"][:, kd : 2 * kd]),
-        "w_lv": lin_stack(lambda lp: lp["w_qkv"][:, 2 * kd :]),
-        "w_z": lin_stack(lambda lp: lp["w_z"]),
-        "w_ba": lin_stack(lambda lp: jnp.stack([lp["w_b"], lp["w_a"]])),
-        "conv_q": lin_stack(lambda lp: lp["conv"][:, :kd]),
-        "conv_k": lin_stack(lambda lp: lp["conv"][:, kd : 2 * kd]),
-        "conv_v": lin_stack(lambda lp: lp["conv"][:, 2 * kd :]),
-        "a_log": lin_stack(lambda lp: lp["a_log"]),
-        "dt_bias": lin_stack(lambda lp: lp["dt_bias"]),
-        "lin_norm": lin_stack(lambda lp: lp["lin_norm"]),
-        "w_out": lin_stack(lambda lp: lp["w_out"]),
-    }
-    return {**params, "layers": stacked, "lin": out}
+    """The model's per-layer tuple restacked as the kernel streams it (module
+    docstring; `linear_attention.stacked_layout`)."""
+    return la.stacked_layout(cfg, params)
 
 
 def check(cfg: ModelConfig, n: int) -> None:
@@ -127,8 +101,6 @@ def step_inputs(cfg: ModelConfig, params: Params, cache, block_mask, positions, 
     name -> (array, axis), scalar tables). The committed convolution windows are
     gathered here (K - 1 rows per sequence and layer, a few KiB), the recurrent states
     are not: the kernel reads them from the cache by DMA."""
-    from specdec.kernels import linear_attention as la
-
     lin = params["lin"]
     taps = cfg.linear_conv_kernel_dim
     sources = la.ancestor_sources(block_mask, positions, cache_lens, taps)
