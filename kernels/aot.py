@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import xla_bridge
 
-from specdec.kernels import sharding, transformer
+from specdec.kernels import linear_attention, sharding, transformer
 from specdec.kernels.config import Architecture, ModelConfig, RopeScaling
 from specdec.kernels.megakernel import kernel, shard, tuning
 from specdec.kernels.megakernel.tuning import MIB, BlockSizes
@@ -79,6 +79,20 @@ PRESETS = {
         vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
         num_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=5e5,
         max_position_embeddings=131072, rope_scaling=RopeScaling(),
+    ),
+    # The seed's size class as a hybrid: Qwen3.5-27B's published shape (64 layers, three
+    # gated DeltaNet layers to one gated attention layer, hidden 5120, 24 query / 4 K/V
+    # heads of 256, MLP 17408, vocabulary 248320, a quarter of each head rotated). Its
+    # DeltaNet head counts (16 key / 48 value heads of 128) are assumed: they give the
+    # published 27.8B parameters with the vision tower and MTP head.
+    "qwen3.5-27b": ModelConfig(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_layers=64,
+        num_heads=24, num_kv_heads=4, head_dim=256, architecture=Architecture.QWEN3_5,
+        qk_norm=True, attn_output_gate=True, partial_rotary_factor=0.25, rms_norm_eps=1e-6,
+        rope_theta=1e7, max_position_embeddings=262144,
+        layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 16,
+        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4,
     ),
 }  # fmt: skip
 
@@ -125,7 +139,7 @@ class AotReport:
 
 
 def _is_shape(x) -> bool:
-    return isinstance(x, tuple)
+    return isinstance(x, tuple) and all(isinstance(v, int) for v in x)
 
 
 def _split_shapes(cfg: ModelConfig, tp: int, dtype) -> tuple[dict, dict]:
@@ -136,7 +150,18 @@ def _split_shapes(cfg: ModelConfig, tp: int, dtype) -> tuple[dict, dict]:
     name, axis = shard.head_leaf(run)
     shapes[name] = tuple(width if i == axis else s for i, s in enumerate(shapes[name]))
     structs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=_is_shape)
-    return shapes, sharding.param_specs(run, structs, tp)
+    if not run.is_hybrid:
+        return shapes, sharding.param_specs(run, structs, tp)
+    # A hybrid target as the megakernel holds it (`linear_attention.stacked_layout`).
+    from specdec.kernels.megakernel import hybrid
+
+    structs = jax.eval_shape(functools.partial(linear_attention.stacked_layout, run), structs)
+    shapes = jax.tree.map(lambda x: tuple(x.shape), structs)
+    lin = structs.pop("lin")
+    specs = sharding.param_specs(run, structs, tp)
+    specs["lin"] = {k: sharding._spec(len(x.shape), None if tp == 1 else hybrid.LINEAR_SPLIT[k])
+                    for k, x in lin.items()}  # fmt: skip
+    return shapes, specs
 
 
 def _per_device(cfg: ModelConfig, tp: int, dtype) -> dict:
@@ -155,14 +180,20 @@ def weight_read_bytes(cfg: ModelConfig, dtype, rows: int, tp: int = 1) -> int:
     held = _per_device(cfg, tp, dtype)
     head = held[shard.head_leaf(cfg)[0]]
     itemsize = np.dtype(dtype).itemsize
-    return sum(held["layers"].values()) + head + (1 + rows) * cfg.hidden_size * itemsize
+    layers = sum(held["layers"].values()) + sum(held.get("lin", {}).values())
+    return layers + head + (1 + rows) * cfg.hidden_size * itemsize
 
 
 def kv_read_bytes(cfg: ModelConfig, dtype, *, batch: int, context: int, tp: int = 1) -> int:
-    """HBM bytes of committed K and V one device reads per step (its K/V heads)."""
+    """HBM bytes of committed K and V one device reads per step (its K/V heads); a
+    hybrid target's attention layers only, plus its linear layers' state (f32
+    recurrent state and the convolution window, per sequence, whatever the context)."""
     run, _ = shard.split_config(cfg, tp)
-    per_pos = 2 * run.num_layers * run.num_kv_heads * run.head_dim * np.dtype(dtype).itemsize
-    return batch * context * per_pos // tp
+    per_pos = 2 * run.num_cache_layers * run.num_kv_heads * run.head_dim
+    kv = batch * context * per_pos * np.dtype(dtype).itemsize // tp
+    if run.is_hybrid:
+        kv += batch * linear_attention.bytes_per_slot(run, dtype) // tp
+    return kv
 
 
 def resident_bytes(
@@ -266,10 +297,20 @@ def compile_verify(
 
     shapes, specs = _split_shapes(cfg, tp, wdtype)
     params = jax.tree.map(lambda s, spec: sds(s, wdtype, spec), shapes, specs, is_leaf=_is_shape)
-    cache_shape = (run.num_layers, batch, run.num_kv_heads, max_len, run.head_dim)
+    cache_shape = (run.num_cache_layers, batch, run.num_kv_heads, max_len, run.head_dim)
     cspec = sharding.cache_spec(run, tp)
+    lin = None
+    if run.is_hybrid:  # the linear layers' state: recurrent state split by value heads
+        state = jax.eval_shape(
+            functools.partial(linear_attention.LinearState.create, run, batch, wdtype)
+        )
+        rec_spec = jax.sharding.PartitionSpec(None, None, sharding.AXIS) if tp > 1 else None
+        lin = linear_attention.LinearState(
+            conv=sds(state.conv.shape, state.conv.dtype),
+            rec=sds(state.rec.shape, state.rec.dtype, rec_spec),
+        )
     cache = transformer.KVCache(
-        k=sds(cache_shape, wdtype, cspec), v=sds(cache_shape, wdtype, cspec)
+        k=sds(cache_shape, wdtype, cspec), v=sds(cache_shape, wdtype, cspec), lin=lin
     )
     i32, f32 = jnp.int32, jnp.float32
     tree = [sds((batch,), i32), sds((batch, tree_nodes), i32), sds((batch, tree_nodes), i32)]
@@ -303,7 +344,8 @@ def compile_verify(
     np_ = tuning.block_rows(tree_nodes, wdtype)
     weights = weight_read_bytes(cfg, wdtype, batch * np_, tp=tp)
     kv = kv_read_bytes(cfg, wdtype, batch=batch, context=context, tp=tp)
-    writes = kv_read_bytes(cfg, wdtype, batch=batch, context=tree_nodes + 1, tp=tp)
+    per_pos = 2 * run.num_cache_layers * run.num_kv_heads * run.head_dim * wdtype.itemsize
+    writes = batch * (tree_nodes + 1) * per_pos // tp  # the block's K/V
     writes += batch * np_ * width * 4 // tp
     # One device alone may use the whole chip's bandwidth (the single-device report's
     # ceiling); devices that split the model share it.

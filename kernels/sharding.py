@@ -63,6 +63,7 @@ RULES: dict[str, tuple[int, Dim]] = {
     "wv": (-1, "kv_heads"),
     "bv": (-1, "kv_heads"),
     "wo": (-2, "heads"),
+    "wg": (-1, "heads"),  # gated attention's output gate: per query head, as wq
     "wq_b": (-1, "heads"),  # MLA: per-head query columns, up-projections [H, c, ...]
     "w_uk": (-3, "heads"),
     "w_uv": (-3, "heads"),

@@ -211,6 +211,7 @@ def test_engine_and_aot_choose_one_step():
         pytest.param("demo-target", 2, marks=pytest.mark.slow),
         pytest.param("qwen3-32b", 8, marks=pytest.mark.slow),
         pytest.param("llama-3.1-70b", 8, marks=pytest.mark.slow),
+        pytest.param("qwen3.5-27b", 8, marks=pytest.mark.slow),  # gated DeltaNet hybrid
     ],
 )
 def test_tensor_parallel_megakernel_compiles_for_tpu7x(config, tp, capsys):
