@@ -58,7 +58,9 @@ logits (the in-kernel walk knows no penalty). The embedding gather is also XLA's
 a bf16 row at an arbitrary row offset is not a legal Mosaic DMA, and it is B * Np
 rows.
 
-Not covered: MoE targets (use the XLA path). KV writes need
+Hybrid targets (gated DeltaNet + gated attention layers): `hybrid` module docstring.
+
+Not covered: MoE and MLA targets (use the XLA path). KV writes need
 `cache_lens[b] + N + 1 <= max_len` for active rows (the target worker sizes its
 cache so); rows beyond it get no K/V written.
 """
