@@ -43,7 +43,11 @@ def case(parents, lens, slots, seed=0):
     return args, rec, s0, path, sources, lp
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree", "deep_tree"])
+@pytest.mark.parametrize(
+    "shape",
+    [pytest.param("chain", marks=pytest.mark.slow), "tree",
+     pytest.param("deep_tree", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_mix_matches_the_reference(shape):
     rng = np.random.default_rng(1)
     n = {"chain": 7, "tree": 9, "deep_tree": 14}[shape]
@@ -73,6 +77,7 @@ def test_mix_matches_the_reference(shape):
         np.testing.assert_allclose(g[valid], w[valid], atol=2e-5, rtol=2e-5, err_msg=name)
 
 
+@pytest.mark.slow
 def test_mix_with_an_inactive_row():
     """slot -1 (a padding row of the batch): computed from zeros, never reads a slot."""
     parents = jnp.asarray([[-1, 0, 1, 1], [-1, 0, 0, 2]], jnp.int32)

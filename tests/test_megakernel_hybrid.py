@@ -126,7 +126,7 @@ def assert_same(out, ref, rows, atol):
     np.testing.assert_array_equal(out.cache.lin.rec, ref.cache.lin.rec)  # left to the caller
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("shape", [pytest.param("chain", marks=pytest.mark.slow), "tree"])
 def test_kernel_matches_the_reference(shape):
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
 
@@ -153,6 +153,7 @@ def deepest_paths(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return keep, counts
 
 
+@pytest.mark.slow
 def test_committing_the_kernels_record_gives_the_reference_state():
     """write_kv(keep, counts) of a deep path on the kernel's record equals it on the
     reference's: the accepted path's recurrent and convolution states."""

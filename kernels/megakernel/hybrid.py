@@ -320,43 +320,6 @@ def _mix_rows(r, p, bi, conv_w, dims):
     jax.lax.fori_loop(0, p.B, sequence, 0)
 
 
-def vmem_buffers(cfg: ModelConfig, *, batch: int, np_: int, weight_dtype) -> list:
-    """The linear layers' VMEM buffers (inputs first, then scratch), for
-    `tuning.vmem_buffers`; `cfg` is one device's part."""
-    from specdec.kernels.megakernel.tuning import Buffer
-
-    f32 = np.dtype(np.float32)
-    m, d = batch * np_, cfg.hidden_size
-    ll = len(cfg.linear_layers)
-    taps = cfg.linear_conv_kernel_dim
-    wrows = tuning.round_up(taps - 1, 8)
-    kd, vd, c = cfg.linear_dims
-    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    wdt = np.dtype(weight_dtype)
-    return [
-        Buffer("sel_block", (batch, taps - 1, np_, np_), f32, "input"),
-        Buffer("sel_state", (batch, taps - 1, np_, wrows), f32, "input"),
-        Buffer("lin_norm", (ll, dv), f32, "input"),
-        Buffer("conv_q", (ll, taps, kd), f32, "input"),
-        Buffer("conv_k", (ll, taps, kd), f32, "input"),
-        Buffer("conv_v", (ll, taps, vd), f32, "input"),
-        Buffer("a_log", (ll, hv), f32, "input"),
-        Buffer("dt_bias", (ll, hv), f32, "input"),
-        Buffer("lx", (m, c), f32, "scratch"),  # convolution inputs [q | k | v]
-        Buffer("lz", (m, vd), f32, "scratch"),  # the output gate's input
-        Buffer("lba", (m, 2 * hv), f32, "scratch"),  # b and a projections
-        Buffer("lo", (hv, m, dv), wdt, "scratch"),  # mixer output, head-major
-        Buffer("rk", (hv, m, dk), f32, "scratch"),  # record: keys per value head
-        Buffer("ru", (hv, m, dv), f32, "scratch"),  # record: the delta rule's writes
-        Buffer("rg", (m, tuning.LANES), f32, "scratch"),  # record: G, lane h = head h
-        Buffer("ba_buf", (2, d, hv), wdt, "scratch"),
-        Buffer("winq_buf", (batch, wrows, kd), f32, "scratch"),
-        Buffer("wink_buf", (batch, wrows, kd), f32, "scratch"),
-        Buffer("winv_buf", (batch, wrows, vd), f32, "scratch"),
-        Buffer("s_buf", (2, hv, dk, dv), f32, "scratch"),
-    ]
-
-
 SEMAPHORES = (("lin_sem", (6,)), ("s_sem", (2,)))
 
 __all__ = [
@@ -366,5 +329,4 @@ __all__ = [
     "linear_mixer",
     "records",
     "step_inputs",
-    "vmem_buffers",
 ]
