@@ -100,6 +100,7 @@ def test_unit_lower_inverse(n):
     np.testing.assert_allclose(inv @ (np.eye(n) + lower), np.eye(n), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_reference_is_the_models_deltanet_layer():
     """`reference` is what `transformer._deltanet` computes between its projections."""
     from specdec.kernels import transformer as T

@@ -214,6 +214,7 @@ def test_split_over_devices_matches_the_reference(n):
     assert found["record_err"] < 2e-5, found
 
 
+@pytest.mark.slow
 def test_the_kernels_stacks_serve_the_xla_forward():
     """`stacked_layout` (what a megakernel target holds) gives the model's logits and
     records through the XLA forward (`linear_attention.per_layer`)."""
