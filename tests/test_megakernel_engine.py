@@ -63,9 +63,23 @@ def test_kernel_errors(target_dir, tmp_path):
         moe_intermediate_size=32, qk_norm=True,
     )  # fmt: skip
     write_model(tmp_path / "moe", moe)
-    with pytest.raises(ValueError, match="dense models only.*kernel='xla'"):
-        LLM(tmp_path / "moe", max_model_len=MAX_LEN, kernel="megakernel")
     assert LLM(tmp_path / "moe", max_model_len=MAX_LEN).engine.target.kernel == "xla"
+
+
+@pytest.mark.slow
+def test_moe_target_on_the_megakernel_equals_xla(tmp_path, prompts):
+    """A Qwen3-MoE target, routing in the kernel: greedy tree speculation gives the XLA
+    target's tokens (its draft: the same model)."""
+    moe = tiny_config(
+        architecture=Architecture.QWEN3_MOE, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, qk_norm=True,
+    )  # fmt: skip
+    write_model(tmp_path / "moe", moe)
+    spec = {"method": "draft_model", "model": str(tmp_path / "moe"), "num_speculative_tokens": 6,
+            "max_depth": 3, "topk": 2}  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    xla = generate(tmp_path / "moe", prompts[:6], "xla", spec, greedy)
+    assert generate(tmp_path / "moe", prompts[:6], "megakernel", spec, greedy) == xla
 
 
 @pytest.mark.slow

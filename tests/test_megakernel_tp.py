@@ -132,10 +132,11 @@ def test_check_shardable_names_what_does_not_divide():
         shard.check_shardable(tiny_config(intermediate_size=66), 4)
     with pytest.raises(ValueError, match="hidden_size / 2 = 16 columns, which must be a multiple"):
         shard.check_shardable(cfg, 2, tpu=True)
-    moe = tiny_config(architecture=Architecture.QWEN3_MOE, num_experts=4,
+    moe = tiny_config(architecture=Architecture.QWEN3_MOE, num_experts=6,
                       num_experts_per_tok=2, moe_intermediate_size=32, qk_norm=True)  # fmt: skip
-    with pytest.raises(ValueError, match="dense models only"):
-        shard.check_shardable(moe, 2)
+    shard.check_shardable(moe, 2)  # whole experts per device
+    with pytest.raises(ValueError, match=r"splits num_experts \(6\) 4 ways"):
+        shard.check_shardable(moe, 4)
     with pytest.raises(ValueError, match="positive integer, got 0"):
         shard.check_shardable(cfg, 0)
 

@@ -80,7 +80,7 @@ from jax.sharding import PartitionSpec as P
 
 from specdec.kernels import transformer
 from specdec.kernels.config import ModelConfig
-from specdec.kernels.megakernel import attention, collectives, hybrid, ops, shard, tuning
+from specdec.kernels.megakernel import attention, collectives, hybrid, moe, ops, shard, tuning
 from specdec.kernels.megakernel.collectives import AXIS
 from specdec.kernels.megakernel.reference import VerifyResult, decide, tree_block
 from specdec.kernels.megakernel.tuning import BlockSizes
@@ -230,7 +230,7 @@ def _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, unif
     lp = params["layers"]
     head = params[shard.head_leaf(cfg)[0]]
     streamed = {name: lp[name] for name in ("wq", "wk", "wv", "wo", "wg", "w_gate", "w_up",
-                                            "w_down") if name in lp}  # fmt: skip
+                                            "w_down", *moe.SPLIT) if name in lp}  # fmt: skip
     if cfg.is_hybrid:
         streamed |= {name: params["lin"][name] for name in hybrid.LINEAR_HBM}
         if cache.lin is None:
@@ -312,9 +312,15 @@ def _verify_call(
     head, head_axis = shard.head_leaf(cfg)
     split_in |= {
         "wq": (lp["wq"], 2), "wk": (lp["wk"], 2), "wv": (lp["wv"], 2), "wo": (lp["wo"], 1),
-        "w_gate": (lp["w_gate"], 2), "w_up": (lp["w_up"], 2), "w_down": (lp["w_down"], 1),
-        "head": (params[head], head_axis),
-        "k_cache": (cache.k, 2), "v_cache": (cache.v, 2),
+    }  # fmt: skip
+    if cfg.is_moe:  # routed experts (`moe`): whole experts per device, the router everywhere
+        split_in |= {name: (lp[name], axis) for name, axis in moe.SPLIT.items()}
+        rows_in["live"] = moe.live_rows(slots, n1, np_)
+    else:
+        split_in |= {"w_gate": (lp["w_gate"], 2), "w_up": (lp["w_up"], 2),
+                     "w_down": (lp["w_down"], 1)}  # fmt: skip
+    split_in |= {
+        "head": (params[head], head_axis), "k_cache": (cache.k, 2), "v_cache": (cache.v, 2),
     }  # fmt: skip
     if cfg.attn_output_gate:
         split_in["wg"] = (lp["wg"], 2)
@@ -352,7 +358,9 @@ def _verify_call(
     return logits, greedy, KVCache(k=k_cache, v=v_cache, lin=cache.lin), lin
 
 
-def _cut(ndim: int, axis: int) -> P:
+def _cut(ndim: int, axis: int | None) -> P:
+    if axis is None:  # replicated
+        return P()
     parts: list[str | None] = [None] * ndim
     parts[axis] = AXIS
     return P(*parts)
@@ -365,8 +373,9 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
     ins = dict(zip(names, arrays, strict=True))
     k_cache, v_cache = ins.pop("k_cache"), ins.pop("v_cache")
     wdtype, cdtype = ins["wq"].dtype, k_cache.dtype
+    e_local = ins["e_gate"].shape[1] if local.is_moe else 0
     hbm_names = ("wq", "wk", "wv", "wo", "wg", "w_gate", "w_up", "w_down", "head",
-                 *hybrid.LINEAR_HBM, "rec", "win_q", "win_k", "win_v")  # fmt: skip
+                 *hybrid.LINEAR_HBM, "rec", "win_q", "win_k", "win_v", *moe.SPLIT)  # fmt: skip
     hbm_in = {name: ins.pop(name) for name in hbm_names if name in ins}
     vmem_in = ins
     L, m = local.num_layers, ins["x0"].shape[0]
@@ -382,6 +391,11 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
     for name, arr in vmem_in.items():  # the VMEM estimate must describe what we pass
         assert planned[name].shape == arr.shape, (name, planned[name].shape, arr.shape)
     scratch = [pltpu.VMEM(buf.shape, buf.dtype) for buf in buffers if buf.kind == "scratch"]
+    smem_names = []
+    if local.is_moe:  # the routed experts' union (flags) and this device's list of them
+        scratch += [pltpu.SMEM((1, local.num_experts), jnp.int32),
+                    pltpu.SMEM((e_local,), jnp.int32)]  # fmt: skip
+        smem_names = ["used_s_ref", "list_s_ref"]
     ring = bs.weight_ring
     sems = [
         pltpu.SemaphoreType.DMA((ring,)),  # qkv
@@ -396,6 +410,9 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
     if tp > 1:
         sems.append(pltpu.SemaphoreType.DMA((6, tp)))  # collectives: (send, recv) x 3 phases
         sem_names.append("coll_sem")
+    if local.is_moe:
+        sems.append(pltpu.SemaphoreType.DMA((2,)))  # router weights, routing flags -> SMEM
+        sem_names.append("moe_sem")
     if local.is_hybrid:
         for name, shape in hybrid.SEMAPHORES:
             sems.append(pltpu.SemaphoreType.DMA(shape))
@@ -410,6 +427,7 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
         + ["logits_hbm", "verdict_ref", "k_hbm", "v_hbm"]
         + [f"{name}_hbm" for name in rec_names]
         + [f"{buf.name}_ref" for buf in buffers if buf.kind == "scratch"]
+        + smem_names
         + sem_names
     )
     vs = local.vocab_size
@@ -419,6 +437,7 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
         V=vs, T=k_cache.shape[3], wdtype=wdtype, cdtype=cdtype,
         rmw_rows=tuning.kv_write_rows(num_nodes, cdtype), tp=tp, vocab=vocab,
         hybrid=local.is_hybrid, gated=local.attn_output_gate, rot=local.rotary_dim,
+        moe=local.is_moe, E_local=e_local,
     )  # fmt: skip
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
@@ -593,7 +612,11 @@ def _kernel(*refs, p, names):
 
     def layer(li, carry):
         r.h_ref[...] = ops.rms(r.x_ref[...], r.attn_norm_ref[pl.ds(li, 1), :], eps).astype(p.wdtype)
-        open_mlp = ops.opener(mlp_copies(li), 0, nf, mlp_ring, ring - 1)
+        if p.moe:  # routing needs the MLP input: the expert tiles cannot start early
+            moe.router_copy(r, li).start()
+            open_mlp = None
+        else:
+            open_mlp = ops.opener(mlp_copies(li), 0, nf, mlp_ring, ring - 1)
         if p.hybrid:
             kind, idx = r.kinds_ref[li], r.kidx_ref[li]
 
@@ -628,7 +651,10 @@ def _kernel(*refs, p, names):
             return c
 
         start_update()
-        ops.stream(nf, 0, mlp_copies(li), mlp_tile, ring=mlp_ring, nxt=next_layer_or_head)
+        if p.moe:
+            moe.moe_mlp(r, p, li, acc_ref=acc_ref, me=me, nxt=next_layer_or_head)
+        else:
+            ops.stream(nf, 0, mlp_copies(li), mlp_tile, ring=mlp_ring, nxt=next_layer_or_head)
         reduce_into_x()  # the next layer's first tiles are already in flight
         return carry
 

@@ -50,6 +50,7 @@ def wait(copies):
 
 def stream(n, offset, copies, body, *, ring, nxt=None, init=0):
     """A fori_loop over n streamed tiles; tile j sits in ring slot (offset + j) % ring.
+    n may be traced (then `dynamic_opener` starts its first tiles).
 
     On entry tiles 0 .. min(n, ring - 1) - 1 are in flight (started by the stream
     before). Step j starts tile j + ring - 1 into the slot tile j - 1 freed, waits for
@@ -58,9 +59,16 @@ def stream(n, offset, copies, body, *, ring, nxt=None, init=0):
     flight and the DMA queue never drains. `copies(j, slot)` lists tile j's DMAs.
     """
     ahead = ring - 1
-    if nxt is not None:
-        for k in range(ahead - n):  # shorter than the look-ahead: its successor starts now
-            nxt(k)
+    if nxt is not None:  # shorter than the look-ahead: its successor starts now
+        if isinstance(n, int):
+            for k in range(ahead - n):
+                nxt(k)
+        else:  # a length known only in the kernel (the experts a step routes to)
+            for k in range(ahead):
+
+                @pl.when(k < ahead - n)
+                def _(k=k):
+                    nxt(k)
 
     def step(j, carry):
         slot = rem(j + offset, ring)
@@ -116,3 +124,13 @@ def opener(copies, offset, n, ring, prev_ahead):
                     begin(extra)
 
     return nxt
+
+
+def dynamic_opener(copies, n, ring):
+    """Starts tiles 0 .. min(n, ring - 1) - 1 of a stream whose length n is traced
+    (its predecessor could not know it, so nothing of it is in flight yet)."""
+    for k in range(ring - 1):
+
+        @pl.when(k < n)
+        def _(k=k):
+            start(copies(k, rem(k, ring)))

@@ -83,17 +83,14 @@ def check_shardable(cfg: ModelConfig, n: int, *, tpu: bool = False) -> None:
 
         hybrid.check(cfg, n)
     if cfg.is_moe:
-        raise ValueError(
-            f"The verify megakernel covers dense models only; {cfg.architecture.value} with "
-            f"{cfg.num_experts} experts must use kernel='xla'."
-        )
+        from specdec.kernels.megakernel import moe
+
+        moe.check(cfg, n)
     if n == 1:
         return
-    rules = [
-        ("num_heads", cfg.num_heads),
-        ("intermediate_size", cfg.intermediate_size),
-        ("hidden_size", cfg.hidden_size),
-    ]
+    rules = [("num_heads", cfg.num_heads), ("hidden_size", cfg.hidden_size)]
+    if not cfg.is_moe:  # a MoE model's experts split whole (`moe.check`)
+        rules.append(("intermediate_size", cfg.intermediate_size))
     for name, size in rules:
         if size % n:
             raise ValueError(

@@ -103,9 +103,10 @@ class BlockSizes:
     def validate(self, cfg: ModelConfig, *, max_len: int, tpu: bool) -> None:
         """Raises ValueError unless these tiles fit `cfg` (and TPU layouts when `tpu`)."""
         hd, kv_cols = cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        ffn, ffn_name = mlp_width(cfg)
         rules = [
             ("proj_cols", kv_cols, f"num_kv_heads * head_dim = {kv_cols}"),
-            ("mlp_cols", cfg.intermediate_size, f"intermediate_size = {cfg.intermediate_size}"),
+            ("mlp_cols", ffn, f"{ffn_name} = {ffn}"),
         ]
         q_rows = cfg.num_heads * hd
         if q_rows % self.out_rows or self.out_rows % hd:
@@ -161,6 +162,13 @@ class BlockSizes:
                 )
             if self.kv_rows % 16:
                 raise ValueError(f"BlockSizes.kv_rows ({self.kv_rows}) must be a multiple of 16.")
+
+
+def mlp_width(cfg: ModelConfig) -> tuple[int, str]:
+    """The MLP width the MLP tiles cut: each expert's for a MoE model."""
+    if cfg.is_moe:
+        return cfg.moe_intermediate_size, "moe_intermediate_size"
+    return cfg.intermediate_size, "intermediate_size"
 
 
 def sublane_tile(dtype) -> int:
@@ -251,6 +259,8 @@ def vmem_buffers(
     if cfg.is_hybrid:
         lin = linear_buffers(cfg, batch=batch, np_=np_, weight_dtype=wdt)
         bufs += [buf for buf in lin if buf.kind == "input"]
+    if cfg.is_moe:
+        bufs.append(Buffer("live", (m, 1), i32, "input"))
     bufs += [
         Buffer("verdict", (batch, 8, np_), i32, "output"),
         # scratch, in declaration order
@@ -276,6 +286,13 @@ def vmem_buffers(
         bufs.append(Buffer("gate", (h, m, hd), f32, "scratch"))
     if cfg.is_hybrid:
         bufs += [buf for buf in lin if buf.kind == "scratch"]
+    if cfg.is_moe:  # routed experts (`moe`): router weights, routing weights, union flags
+        e = cfg.num_experts
+        bufs += [
+            Buffer("router_buf", (d, e), wdt, "scratch"),
+            Buffer("route_w", (m, e), f32, "scratch"),
+            Buffer("used_v", (1, e), i32, "scratch"),
+        ]
     if tp > 1:
         chunk = d // tp
         bufs += [
@@ -392,7 +409,7 @@ def default_block_sizes(
         return BlockSizes(
             proj_cols=_largest_tile(kvd, max(caps["proj_cols"], proj_q), proj_q),
             out_rows=_largest_tile(qd, max(caps["out_rows"], out_q), out_q),
-            mlp_cols=_largest_tile(cfg.intermediate_size, caps["mlp_cols"], LANES),
+            mlp_cols=_largest_tile(mlp_width(cfg)[0], caps["mlp_cols"], LANES),
             vocab_cols=_vocab_tile(cfg.vocab_size, caps["vocab_cols"]),
             kv_rows=kv_rows,
             weight_ring=weight_ring,
@@ -502,9 +519,16 @@ def step_block_sizes(
             )
             if best is None or key > best[0]:
                 best = (key, bs)
-            if ahead["mlp"] >= IN_FLIGHT_TARGET or mlp_ring > cfg.intermediate_size // bs.mlp_cols:
+            if ahead["mlp"] >= IN_FLIGHT_TARGET or mlp_ring > mlp_tiles(cfg, bs):
                 break  # enough, or as deep as the MLP stream is long
     return dataclasses.replace(best[1], vmem_limit_bytes=chip.vmem_bytes - VMEM_HEADROOM)
+
+
+def mlp_tiles(cfg: ModelConfig, bs: BlockSizes) -> int:
+    """MLP tiles one layer streams: a MoE layer's for its experts' expected union at
+    one row (k experts; more rows route to more)."""
+    width = mlp_width(cfg)[0] // bs.mlp_cols
+    return width * cfg.num_experts_per_tok if cfg.is_moe else width
 
 
 def weight_bytes_in_flight(cfg: ModelConfig, bs: BlockSizes, weight_dtype) -> dict[str, int]:
@@ -515,7 +539,7 @@ def weight_bytes_in_flight(cfg: ModelConfig, bs: BlockSizes, weight_dtype) -> di
     tile = {  # (elements per tile, tiles per stream)
         "qkv": (d * bs.proj_cols, qkv_cols // bs.proj_cols),
         "o": (bs.out_rows * d, cfg.num_heads * cfg.head_dim // bs.out_rows),
-        "mlp": (3 * d * bs.mlp_cols, cfg.intermediate_size // bs.mlp_cols),  # gate, up, down
+        "mlp": (3 * d * bs.mlp_cols, mlp_tiles(cfg, bs)),  # gate, up, down
         "head": (d * min(bs.vocab_cols, cfg.vocab_size), -(-cfg.vocab_size // bs.vocab_cols)),
     }
     out = {}
