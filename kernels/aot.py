@@ -75,6 +75,13 @@ PRESETS = {
         num_heads=64, num_kv_heads=8, head_dim=128, architecture=Architecture.QWEN3,
         qk_norm=True, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
     ),
+    # Sparse: 128 experts of 768, 8 routed per token (the routed union is what a step reads).
+    "qwen3-30b-a3b": ModelConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, architecture=Architecture.QWEN3_MOE,
+        qk_norm=True, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    ),
     "llama-3.1-70b": ModelConfig(
         vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
         num_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=5e5,
@@ -136,6 +143,12 @@ class AotReport:
     ici_bytes_per_s: float = 0.0  # bidirectional, per chip (published)
     steps_per_s_with_ici: float = 0.0  # HBM time + an upper bound on the exchange time
     weight_bytes_in_flight: dict = dataclasses.field(default_factory=dict)  # per stream
+    # MoE targets: distinct experts the step's rows route to (uniform routing: expected;
+    # every row to other experts: worst), and the weight bytes per device at the worst
+    # (weight_bytes above counts the expected union).
+    experts_expected: float = 0.0
+    experts_worst: int = 0
+    weight_bytes_worst: int = 0
 
 
 def _is_shape(x) -> bool:
@@ -151,7 +164,13 @@ def _split_shapes(cfg: ModelConfig, tp: int, dtype) -> tuple[dict, dict]:
     shapes[name] = tuple(width if i == axis else s for i, s in enumerate(shapes[name]))
     structs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=_is_shape)
     if not run.is_hybrid:
-        return shapes, sharding.param_specs(run, structs, tp)
+        specs = sharding.param_specs(run, structs, tp)
+        if run.is_moe and tp > 1:  # the megakernel splits whole experts (`megakernel.moe`)
+            from specdec.kernels.megakernel import moe
+
+            for name, axis in moe.SPLIT.items():
+                specs["layers"][name] = sharding._spec(len(shapes["layers"][name]), axis)
+        return shapes, specs
     # A hybrid target as the megakernel holds it (`linear_attention.stacked_layout`).
     from specdec.kernels.megakernel import hybrid
 
@@ -174,14 +193,22 @@ def _per_device(cfg: ModelConfig, tp: int, dtype) -> dict:
     )  # fmt: skip
 
 
-def weight_read_bytes(cfg: ModelConfig, dtype, rows: int, tp: int = 1) -> int:
+def weight_read_bytes(
+    cfg: ModelConfig, dtype, rows: int, tp: int = 1, experts: float | None = None
+) -> int:
     """HBM bytes of weights one device reads per step: its share of every layer and
-    of the LM head, the final norm and `rows` embeddings."""
-    held = _per_device(cfg, tp, dtype)
+    of the LM head, the final norm and `rows` embeddings. A MoE target's layers read
+    only the `experts` (of E) the step's rows route to (None: all of them), spread
+    evenly over the devices."""
+    held = dict(_per_device(cfg, tp, dtype))
+    layers = dict(held["layers"])
+    if cfg.is_moe and experts is not None:
+        for name in ("e_gate", "e_up", "e_down"):
+            layers[name] = int(layers[name] * experts / cfg.num_experts)
     head = held[shard.head_leaf(cfg)[0]]
     itemsize = np.dtype(dtype).itemsize
-    layers = sum(held["layers"].values()) + sum(held.get("lin", {}).values())
-    return layers + head + (1 + rows) * cfg.hidden_size * itemsize
+    total = sum(layers.values()) + sum(held.get("lin", {}).values())
+    return total + head + (1 + rows) * cfg.hidden_size * itemsize
 
 
 def kv_read_bytes(cfg: ModelConfig, dtype, *, batch: int, context: int, tp: int = 1) -> int:
@@ -342,7 +369,16 @@ def compile_verify(
     elapsed = time.perf_counter() - start
 
     np_ = tuning.block_rows(tree_nodes, wdtype)
-    weights = weight_read_bytes(cfg, wdtype, batch * np_, tp=tp)
+    union = (0.0, 0)
+    if cfg.is_moe:  # the real rows route: root + nodes of each sequence
+        from specdec.kernels.megakernel import moe
+
+        union = moe.union_experts(cfg.num_experts, cfg.num_experts_per_tok,
+                                  batch * (tree_nodes + 1))  # fmt: skip
+    weights = weight_read_bytes(cfg, wdtype, batch * np_, tp=tp,
+                                experts=union[0] if cfg.is_moe else None)  # fmt: skip
+    worst = weight_read_bytes(cfg, wdtype, batch * np_, tp=tp,
+                              experts=union[1] if cfg.is_moe else None)  # fmt: skip
     kv = kv_read_bytes(cfg, wdtype, batch=batch, context=context, tp=tp)
     per_pos = 2 * run.num_cache_layers * run.num_kv_heads * run.head_dim * wdtype.itemsize
     writes = batch * (tree_nodes + 1) * per_pos // tp  # the block's K/V
@@ -379,6 +415,7 @@ def compile_verify(
         ici_bytes_per_s=chip.ici_bytes_per_s,
         steps_per_s_with_ici=1.0 / ((weights + kv) / bandwidth + ici_s),
         weight_bytes_in_flight=tuning.weight_bytes_in_flight(local, block_sizes, wdtype),
+        experts_expected=union[0], experts_worst=union[1], weight_bytes_worst=worst,
     )  # fmt: skip
 
 
@@ -421,6 +458,16 @@ def format_report(rep: AotReport) -> str:
         f"  HBM read:     {rep.read_bytes / gib:.2f} GiB per step (weights "
         f"{rep.weight_bytes / gib:.2f} GiB + KV {rep.kv_bytes / gib:.2f} GiB); writes "
         f"{rep.write_bytes / gib:.3f} GiB (tree KV + logits)",
+        *(
+            [
+                f"  experts:      the step's {rep.batch * (rep.tree_nodes + 1)} rows route to "
+                f"{rep.experts_expected:.1f} experts per layer expected (uniform routing), "
+                f"{rep.experts_worst} at worst; weights read {rep.weight_bytes / gib:.2f} GiB "
+                f"expected, {rep.weight_bytes_worst / gib:.2f} GiB worst"
+            ]
+            if rep.experts_worst
+            else []
+        ),
         f"  ceiling:      {rep.steps_per_s:.0f} steps/s, {rep.tokens_per_s:.0f} tokens/s (a "
         "PROJECTION from bytes and bandwidth, not a measurement) at "
         f"acceptance length {rep.acceptance_length:g} "

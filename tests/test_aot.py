@@ -212,6 +212,7 @@ def test_engine_and_aot_choose_one_step():
         pytest.param("qwen3-32b", 8, marks=pytest.mark.slow),
         pytest.param("llama-3.1-70b", 8, marks=pytest.mark.slow),
         pytest.param("qwen3.5-27b", 8, marks=pytest.mark.slow),  # gated DeltaNet hybrid
+        pytest.param("qwen3-30b-a3b", 8, marks=pytest.mark.slow),  # routed experts
     ],
 )
 def test_tensor_parallel_megakernel_compiles_for_tpu7x(config, tp, capsys):
@@ -230,8 +231,10 @@ def test_tensor_parallel_megakernel_compiles_for_tpu7x(config, tp, capsys):
     assert rep.collective_hops == 4 * cfg.num_layers + 1
     assert 0 < rep.steps_per_s_with_ici < rep.steps_per_s
     bf16 = np.dtype("bfloat16")
-    one = aot.weight_read_bytes(cfg, bf16, rows) + aot.kv_read_bytes(cfg, bf16, batch=1,
-                                                                      context=4096)  # fmt: skip
+    experts = rep.experts_expected if cfg.is_moe else None
+    one = aot.weight_read_bytes(cfg, bf16, rows, experts=experts) + aot.kv_read_bytes(
+        cfg, bf16, batch=1, context=4096
+    )
     assert one / tp <= rep.read_bytes <= 1.1 * one / tp  # each device reads ~1/n of it
     if config == "qwen3-32b":  # Little's law: enough weight bytes outstanding per device
         assert rep.weight_bytes_in_flight["mlp"] >= 16 * tuning.MIB
@@ -248,3 +251,19 @@ def test_tensor_parallel_bad_splits_are_refused(capsys):
     # 512 / 8 = 64 columns per device: not whole 128-lane vectors on TPU.
     assert aot.main(["--config", "demo-target", "--tp", "8"]) == 2
     assert "must be a multiple of 128" in capsys.readouterr().err
+
+
+def test_moe_step_reads_the_routed_union(capsys):
+    """A MoE preset's report: the expected union of routed experts (uniform routing) and
+    the worst case, the weight bytes of each; a lone decode row reads k experts."""
+    cfg = aot.PRESETS["qwen3-30b-a3b"]
+    rep = aot.compile_verify(cfg, topology="tpu7x:2x2x1", tree_nodes=8, context=1024,
+                             config_name="qwen3-30b-a3b")  # fmt: skip
+    assert rep.compiled and rep.fits, rep.error
+    assert 8 < rep.experts_expected < rep.experts_worst == 72
+    assert rep.weight_bytes < rep.weight_bytes_worst
+    bf16 = np.dtype("bfloat16")
+    one_row = aot.weight_read_bytes(cfg, bf16, 16, experts=8.0)
+    assert one_row < 0.15 * aot.weight_read_bytes(cfg, bf16, 16)  # 8 of 128 experts
+    assert aot.main(["--config", "qwen3-30b-a3b", "--tree-nodes", "8", "--context", "1024"]) == 0
+    assert "experts:      the step's 9 rows route to" in capsys.readouterr().out
