@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec.kernels import linear_attention as la
+from specdec.kernels import stacks
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.linear_attention import LinearBlock, LinearState
 from specdec.kernels.paged import PagedKVCache, from_stored, paged_rows, put_paged, row_tables
@@ -678,6 +679,8 @@ def _hidden_block(
     x = params["embed"][tokens].astype(jnp.float32)
     if "lin" in params:  # a hybrid model held as the megakernel's stacks
         params = {**params, "layers": la.per_layer(cfg, params)}
+    elif stacks.is_mixed_moe(cfg) and isinstance(params["layers"], dict):
+        params = {**params, "layers": stacks.per_layer(cfg, params["layers"])}
     lin_rows = None
     if cfg.is_hybrid:
         if side is not None:

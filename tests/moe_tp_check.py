@@ -9,6 +9,7 @@ prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import jax
@@ -25,8 +26,10 @@ from specdec.verify.batch import SamplingBatch
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, required=True)
-    n = ap.parse_args().tp
-    cfg, params = moe_model(vocab_size=300)
+    ap.add_argument("--routing", default="qwen3", choices=["qwen3", "deepseek"])
+    args = ap.parse_args()
+    n = args.tp
+    cfg, params = moe_model(routing=args.routing, vocab_size=300)
     cache = moe_cache(cfg, jnp.float32)
     roots, tokens, parents, slots, lens = batch("tree")
     b, nodes = tokens.shape
@@ -38,8 +41,10 @@ def main() -> None:
     cfg_n, params_n = shard.prepare_params(cfg, params, n)
     reps = cfg_n.num_kv_heads // cfg.num_kv_heads
     cache_n = type(cache)(k=jnp.repeat(cache.k, reps, axis=2), v=jnp.repeat(cache.v, reps, axis=2))
+    # The shared expert (32 wide) splits n ways: its tiles must divide 32 / n.
+    blocks = dataclasses.replace(BLOCKS, mlp_cols=8) if cfg.shared_intermediate else BLOCKS
     out = kernel.verify(
-        params_n, cache_n, *rest, cfg=cfg_n, child_sampling=TOPK, block_sizes=BLOCKS,
+        params_n, cache_n, *rest, cfg=cfg_n, child_sampling=TOPK, block_sizes=blocks,
         interpret=pltpu.InterpretParams(detect_races=True), mesh=mesh,
     )  # fmt: skip
     jax.block_until_ready(out)

@@ -382,9 +382,10 @@ def test_input_errors():
     moe = ModelConfig(
         vocab_size=384, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=32, architecture=Architecture.QWEN3_MOE, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=64, scoring_func="sigmoid",
+        num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1,
+        shared_expert_gate=True,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="softmax top-k experts"):
+    with pytest.raises(ValueError, match="gated shared expert"):
         kernel.verify(*args, cfg=moe, child_sampling=TOPK, interpret=True)
     unstacked = {**params, "layers": tuple({"wq": w} for w in params["layers"]["wq"])}
     with pytest.raises(ValueError, match="stacked layer weights"):

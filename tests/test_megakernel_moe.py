@@ -28,15 +28,33 @@ TESTS = Path(__file__).resolve().parent
 BLOCKS = BlockSizes(proj_cols=16, out_rows=16, mlp_cols=16, vocab_cols=96, kv_rows=16)
 
 
-def moe_model(dtype=jnp.float32, **overrides) -> tuple[ModelConfig, dict]:
+# DeepSeek-V3's routing on a grouped-query model: sigmoid scores with a correction
+# bias, the 2 best of 4 groups, routed scaling, a shared expert, a dense first layer.
+DEEPSEEK_ROUTING = dict(
+    scoring_func="sigmoid", expert_bias=True, n_group=4, topk_group=2,
+    routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1,
+    intermediate_size=96,
+)  # fmt: skip
+
+
+def moe_model(dtype=jnp.float32, routing="qwen3", **overrides) -> tuple[ModelConfig, dict]:
     kw = dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
         num_kv_heads=2, head_dim=16, architecture=Architecture.QWEN3_MOE, qk_norm=True,
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
     )  # fmt: skip
+    if routing == "deepseek":
+        kw |= DEEPSEEK_ROUTING
     cfg = ModelConfig(**(kw | overrides))
     params = T.init_params(cfg, jax.random.key(0), jnp.float32)
-    params["layers"]["router"] = params["layers"]["router"] * 20  # decisive routing
+    if isinstance(params["layers"], dict):
+        params["layers"]["router"] = params["layers"]["router"] * 20  # decisive routing
+    else:
+        layers = list(params["layers"])
+        for i in range(cfg.first_k_dense_replace, cfg.num_layers):
+            bias = 0.3 * jax.random.normal(jax.random.key(i), (cfg.num_experts,))
+            layers[i] = layers[i] | {"router": layers[i]["router"] * 20, "e_bias": bias}
+        params["layers"] = tuple(layers)
     return cfg, jax.tree.map(lambda x: x.astype(dtype), params)
 
 
@@ -85,11 +103,12 @@ def assert_same(out, ref, live, atol):
     )
 
 
+@pytest.mark.parametrize("routing", ["qwen3", "deepseek"])
 @pytest.mark.parametrize("shape", [pytest.param("chain", marks=pytest.mark.slow), "tree"])
-def test_kernel_matches_the_reference(shape):
+def test_kernel_matches_the_reference(shape, routing):
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
 
-    cfg, params = moe_model()
+    cfg, params = moe_model(routing=routing)
     out, ref, live = run_both(cfg, params, moe_cache(cfg, jnp.float32), shape,
                               pltpu.InterpretParams(detect_races=True))  # fmt: skip
     assert tpu_interpret.races is not None and not tpu_interpret.races.races_found
@@ -127,9 +146,9 @@ def test_routing_the_kernel_cannot_do_is_refused_by_name():
     from specdec.kernels.megakernel import shard
 
     cfg, _ = moe_model()
-    deepseek = ModelConfig(**{**cfg.__dict__, "scoring_func": "sigmoid"})
-    with pytest.raises(ValueError, match="softmax top-k experts"):
-        shard.check_shardable(deepseek, 1)
+    gated = ModelConfig(**{**cfg.__dict__, "n_shared_experts": 1, "shared_expert_gate": True})
+    with pytest.raises(ValueError, match="gated shared expert.*kernel='xla'"):
+        shard.check_shardable(gated, 1)
     with pytest.raises(ValueError, match="splits num_experts"):
         shard.check_shardable(moe_model(num_experts=6)[0], 4)
 
@@ -142,12 +161,12 @@ def test_union_of_routed_experts():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", ["2", "4"])
-def test_split_over_devices_matches_the_reference(n):
+@pytest.mark.parametrize("n,routing", [("2", "qwen3"), ("4", "qwen3"), ("4", "deepseek")])
+def test_split_over_devices_matches_the_reference(n, routing):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, "moe_tp_check.py", "--tp", n], cwd=TESTS, env=env,
+        [sys.executable, "moe_tp_check.py", "--tp", n, "--routing", routing], cwd=TESTS, env=env,
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -78,7 +78,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from specdec.kernels import transformer
+from specdec.kernels import stacks, transformer
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.megakernel import attention, collectives, hybrid, moe, ops, shard, tuning
 from specdec.kernels.megakernel.collectives import AXIS
@@ -140,6 +140,8 @@ def _verify(
     shard.check_shardable(cfg, tp, tpu=not interpret)
     if cfg.is_hybrid:  # `shard.prepare_params` restacks once at load instead
         params = hybrid.kernel_params(cfg, params)
+    elif stacks.is_mixed_moe(cfg):
+        params = stacks.moe_stacked(cfg, params)
     _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, uniforms, cfg, tp)
     b, n = tokens.shape
     wdtype = params["layers"]["wq"].dtype
@@ -313,10 +315,19 @@ def _verify_call(
     split_in |= {
         "wq": (lp["wq"], 2), "wk": (lp["wk"], 2), "wv": (lp["wv"], 2), "wo": (lp["wo"], 1),
     }  # fmt: skip
+    tables = {}
     if cfg.is_moe:  # routed experts (`moe`): whole experts per device, the router everywhere
         split_in |= {name: (lp[name], axis) for name, axis in moe.SPLIT.items()}
+        split_in |= {name: (lp[name], axis) for name, axis in moe.SHARED_SPLIT.items()
+                     if name in lp}  # fmt: skip
         rows_in["live"] = moe.live_rows(slots, n1, np_)
-    else:
+        if cfg.expert_bias:
+            rows_in["e_bias"] = lp["e_bias"].astype(f32)
+        if stacks.is_mixed_moe(cfg):  # layer li's MLP kind (1 = MoE) and stack index
+            kinds = [int(cfg.moe_layer(i)) for i in range(cfg.num_layers)]
+            index = [stacks.mlp_index(cfg, i) for i in range(cfg.num_layers)]
+            tables = {"mkinds": jnp.asarray(kinds, i32), "midx": jnp.asarray(index, i32)}
+    if "w_gate" in lp:
         split_in |= {"w_gate": (lp["w_gate"], 2), "w_up": (lp["w_up"], 2),
                      "w_down": (lp["w_down"], 1)}  # fmt: skip
     split_in |= {
@@ -324,7 +335,6 @@ def _verify_call(
     }  # fmt: skip
     if cfg.attn_output_gate:
         split_in["wg"] = (lp["wg"], 2)
-    tables = {}
     if cfg.is_hybrid:
         lin_rows, lin_split, tables = hybrid.step_inputs(
             cfg, params, cache, anc[:, :n1, :n1], positions[:, :n1], cache_lens, slots, np_
@@ -340,7 +350,9 @@ def _verify_call(
     )  # fmt: skip
     scalars = (slots.astype(i32), row_lens, *tables.values())
     args = (*scalars, *rows_in.values(), *(a for a, _ in split_in.values()))
-    rec_cuts = [_cut(len(s), axis) for s, axis in hybrid.record_shapes(local, m)] if tables else []
+    rec_cuts = []
+    if cfg.is_hybrid:
+        rec_cuts = [_cut(len(s), axis) for s, axis in hybrid.record_shapes(local, m)]
     if mesh is None:
         logits, verdict, k_cache, v_cache, *recs = run(*args)
     else:
@@ -368,14 +380,16 @@ def _cut(ndim: int, axis: int | None) -> P:
 
 def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, tp):
     """One device's pallas_call over its shards (`local` is its part of the model)."""
-    nsp = 4 if local.is_hybrid else 2  # scalar prefetch: slots, lens (+ layer tables)
+    mixed = stacks.is_mixed_moe(local)
+    nsp = 4 if local.is_hybrid or mixed else 2  # scalar prefetch: slots, lens (+ layer tables)
     scalars, arrays = arrays[:nsp], arrays[nsp:]
     ins = dict(zip(names, arrays, strict=True))
     k_cache, v_cache = ins.pop("k_cache"), ins.pop("v_cache")
     wdtype, cdtype = ins["wq"].dtype, k_cache.dtype
     e_local = ins["e_gate"].shape[1] if local.is_moe else 0
     hbm_names = ("wq", "wk", "wv", "wo", "wg", "w_gate", "w_up", "w_down", "head",
-                 *hybrid.LINEAR_HBM, "rec", "win_q", "win_k", "win_v", *moe.SPLIT)  # fmt: skip
+                 *hybrid.LINEAR_HBM, "rec", "win_q", "win_k", "win_v", *moe.SPLIT,
+                 *moe.SHARED_SPLIT)  # fmt: skip
     hbm_in = {name: ins.pop(name) for name in hbm_names if name in ins}
     vmem_in = ins
     L, m = local.num_layers, ins["x0"].shape[0]
@@ -421,6 +435,7 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
     names = (
         ["slots_ref", "lens_ref"]
         + (["kinds_ref", "kidx_ref"] if local.is_hybrid else [])
+        + (["mkinds_ref", "midx_ref"] if mixed else [])
         + [f"{name}_ref" for name in vmem_in]
         + [f"{name}_hbm" for name in hbm_in]
         + ["k_in_hbm", "v_in_hbm"]
@@ -437,7 +452,7 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
         V=vs, T=k_cache.shape[3], wdtype=wdtype, cdtype=cdtype,
         rmw_rows=tuning.kv_write_rows(num_nodes, cdtype), tp=tp, vocab=vocab,
         hybrid=local.is_hybrid, gated=local.attn_output_gate, rot=local.rotary_dim,
-        moe=local.is_moe, E_local=e_local,
+        moe=local.is_moe, E_local=e_local, mixed=mixed, shared=bool(local.shared_intermediate),
     )  # fmt: skip
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
@@ -612,11 +627,36 @@ def _kernel(*refs, p, names):
 
     def layer(li, carry):
         r.h_ref[...] = ops.rms(r.x_ref[...], r.attn_norm_ref[pl.ds(li, 1), :], eps).astype(p.wdtype)
-        if p.moe:  # routing needs the MLP input: the expert tiles cannot start early
-            moe.router_copy(r, li).start()
+        # The MLP's first tiles start during the attention's output projection: a dense
+        # MLP's, or a MoE layer's shared expert's (its routed experts wait for the
+        # routing: `moe`), whose router weights start now.
+        mkind, mi = (r.mkinds_ref[li], r.midx_ref[li]) if p.mixed else (int(p.moe), li)
+        open_dense = ops.opener(mlp_copies(mi), 0, nf, mlp_ring, ring - 1)
+        open_shared = None
+        if p.moe and p.shared:
+            open_shared = ops.opener(moe.shared_copies(r, p, mi), 0, moe.shared_tiles(p),
+                                     mlp_ring, ring - 1)  # fmt: skip
+
+        def when_moe(moe_layer: bool, fn):
+            if not p.mixed:
+                if (mkind == 1) == moe_layer:
+                    fn()
+                return
+
+            def run():
+                fn()
+
+            pl.when(mkind == int(moe_layer))(run)
+
+        when_moe(True, lambda: moe.router_copy(r, mi).start())
+
+        def open_mlp(k):
+            when_moe(False, lambda: open_dense(k))
+            if open_shared is not None:
+                when_moe(True, lambda: open_shared(k))
+
+        if p.moe and not p.mixed and open_shared is None:
             open_mlp = None
-        else:
-            open_mlp = ops.opener(mlp_copies(li), 0, nf, mlp_ring, ring - 1)
         if p.hybrid:
             kind, idx = r.kinds_ref[li], r.kidx_ref[li]
 
@@ -651,10 +691,14 @@ def _kernel(*refs, p, names):
             return c
 
         start_update()
-        if p.moe:
-            moe.moe_mlp(r, p, li, acc_ref=acc_ref, me=me, nxt=next_layer_or_head)
-        else:
-            ops.stream(nf, 0, mlp_copies(li), mlp_tile, ring=mlp_ring, nxt=next_layer_or_head)
+        when_moe(
+            True,
+            lambda: moe.moe_mlp(
+                r, p, mi, acc_ref=acc_ref, me=me, nxt=next_layer_or_head, mlp_tile=mlp_tile
+            ),
+        )
+        when_moe(False, lambda: ops.stream(nf, 0, mlp_copies(mi), mlp_tile, ring=mlp_ring,
+                                           nxt=next_layer_or_head))  # fmt: skip
         reduce_into_x()  # the next layer's first tiles are already in flight
         return carry
 

@@ -35,6 +35,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from specdec.kernels import stacks
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.megakernel.tuning import LANES, round_up
 from specdec.kernels.transformer import Params
@@ -89,8 +90,10 @@ def check_shardable(cfg: ModelConfig, n: int, *, tpu: bool = False) -> None:
     if n == 1:
         return
     rules = [("num_heads", cfg.num_heads), ("hidden_size", cfg.hidden_size)]
-    if not cfg.is_moe:  # a MoE model's experts split whole (`moe.check`)
+    if not cfg.is_moe or cfg.first_k_dense_replace:  # experts split whole (`moe.check`)
         rules.append(("intermediate_size", cfg.intermediate_size))
+    if cfg.shared_intermediate:
+        rules.append(("the shared experts' width", cfg.shared_intermediate))
     for name, size in rules:
         if size % n:
             raise ValueError(
@@ -169,6 +172,8 @@ def prepare_params(cfg: ModelConfig, params: Params, n: int) -> tuple[ModelConfi
         from specdec.kernels.megakernel import hybrid
 
         params = hybrid.kernel_params(cfg, params)
+    elif stacks.is_mixed_moe(cfg):
+        params = stacks.moe_stacked(cfg, params)
     cfg, params = replicate_kv_heads(cfg, params, n)
     return cfg, pad_head(cfg, params, padded_vocab(cfg.vocab_size, n))
 
@@ -179,6 +184,8 @@ def local_config(cfg: ModelConfig, n: int, head_cols: int) -> ModelConfig:
     if n == 1:
         return dataclasses.replace(cfg, vocab_size=head_cols)
     linear = {}
+    if cfg.shared_intermediate:  # shared experts split as a dense MLP
+        linear["shared_expert_intermediate_size"] = cfg.shared_intermediate // n
     if cfg.is_hybrid:
         linear = {
             "linear_num_key_heads": cfg.linear_num_key_heads // n,

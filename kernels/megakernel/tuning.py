@@ -165,10 +165,19 @@ class BlockSizes:
 
 
 def mlp_width(cfg: ModelConfig) -> tuple[int, str]:
-    """The MLP width the MLP tiles cut: each expert's for a MoE model."""
-    if cfg.is_moe:
+    """The MLP width the MLP tiles must divide: each expert's for a MoE model (and the
+    greatest common divisor with its shared experts' and dense layers' widths)."""
+    if not cfg.is_moe:
+        return cfg.intermediate_size, "intermediate_size"
+    widths = {"moe_intermediate_size": cfg.moe_intermediate_size}
+    if cfg.shared_intermediate:
+        widths["the shared experts' width"] = cfg.shared_intermediate
+    if cfg.first_k_dense_replace:
+        widths["intermediate_size"] = cfg.intermediate_size
+    if len(widths) == 1:
         return cfg.moe_intermediate_size, "moe_intermediate_size"
-    return cfg.intermediate_size, "intermediate_size"
+    names = ", ".join(f"{k} = {v}" for k, v in widths.items())
+    return math.gcd(*widths.values()), f"the gcd of {names}"
 
 
 def sublane_tile(dtype) -> int:
@@ -261,6 +270,9 @@ def vmem_buffers(
         bufs += [buf for buf in lin if buf.kind == "input"]
     if cfg.is_moe:
         bufs.append(Buffer("live", (m, 1), i32, "input"))
+        if cfg.expert_bias:
+            n_moe = cfg.num_layers - cfg.first_k_dense_replace
+            bufs.append(Buffer("e_bias", (n_moe, cfg.num_experts), f32, "input"))
     bufs += [
         Buffer("verdict", (batch, 8, np_), i32, "output"),
         # scratch, in declaration order
@@ -527,8 +539,9 @@ def step_block_sizes(
 def mlp_tiles(cfg: ModelConfig, bs: BlockSizes) -> int:
     """MLP tiles one layer streams: a MoE layer's for its experts' expected union at
     one row (k experts; more rows route to more)."""
-    width = mlp_width(cfg)[0] // bs.mlp_cols
-    return width * cfg.num_experts_per_tok if cfg.is_moe else width
+    if cfg.is_moe:
+        return cfg.moe_intermediate_size // bs.mlp_cols * cfg.num_experts_per_tok
+    return cfg.intermediate_size // bs.mlp_cols
 
 
 def weight_bytes_in_flight(cfg: ModelConfig, bs: BlockSizes, weight_dtype) -> dict[str, int]:
