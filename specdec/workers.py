@@ -29,7 +29,7 @@ from specdec.checkpoint import load_model
 from specdec.draft.base import DraftBatch, Drafter
 from specdec.draft.model import ModelDrafter
 from specdec.draft.ngram import NgramDrafter
-from specdec.kernels import dot_library, linear_attention, sharding, transformer
+from specdec.kernels import dot_library, linear_attention, sharding, stacks, transformer
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.megakernel.reference import decide, tree_block
 from specdec.kernels.runner import ModelRunner, live_rows, row_bucket
@@ -368,6 +368,8 @@ class TargetWorker:
             # Once, at load: the stacks the kernel streams, which the runner's XLA
             # forwards read too (`linear_attention.per_layer`).
             params = linear_attention.stacked_layout(cfg, params)
+        elif self.kernel == "megakernel" and stacks.is_mixed_moe(cfg):
+            params = stacks.moe_stacked(cfg, params)  # read back by `stacks.per_layer`
         self.runner = ModelRunner(
             run_cfg,
             params,

@@ -59,8 +59,9 @@ a bf16 row at an arbitrary row offset is not a legal Mosaic DMA, and it is B * N
 rows.
 
 Hybrid targets (gated DeltaNet + gated attention layers): `hybrid` module docstring.
+Routed experts (Qwen3-MoE, DeepSeek-V3 routing): `moe` module docstring.
 
-Not covered: MoE and MLA targets (use the XLA path). KV writes need
+Not covered: multi-head latent attention (use the XLA path). KV writes need
 `cache_lens[b] + N + 1 <= max_len` for active rows (the target worker sizes its
 cache so); rows beyond it get no K/V written.
 """
