@@ -198,7 +198,7 @@ def test_unsupported_hybrids_are_refused_by_name():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", ["2", "4"])
+@pytest.mark.parametrize("n", ["4"])  # 2 devices: the dense cases cover the collectives
 def test_split_over_devices_matches_the_reference(n):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")  # fmt: skip
