@@ -2,7 +2,7 @@
 Qwen3.5-style) in Pallas TPU interpret mode against `reference.verify`: logits, greedy
 verdict, the attention layers' block K/V and the linear layers' records, for chains and
 trees, committed and fresh rows, padding rows; race detector on; split over devices in
-a child process (`hybrid_tp_check.py`)."""
+a child process (`split_check.py`)."""
 
 from __future__ import annotations
 
@@ -203,7 +203,7 @@ def test_split_over_devices_matches_the_reference(n):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, "hybrid_tp_check.py", "--tp", n], cwd=TESTS, env=env,
+        [sys.executable, "split_check.py", "--tp", n, "--model", "hybrid"], cwd=TESTS, env=env,
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,7 +1,7 @@
 """The verify megakernel on Qwen3-MoE targets (routing in the kernel, only the routed
 experts' weights streamed) in Pallas TPU interpret mode against `reference.verify`:
 chains and trees, race detector on, NaN in every expert no row routes to, and split
-over devices with whole experts per device (`moe_tp_check.py`)."""
+over devices with whole experts per device (`split_check.py`)."""
 
 from __future__ import annotations
 
@@ -166,8 +166,8 @@ def test_split_over_devices_matches_the_reference(n, routing):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, "moe_tp_check.py", "--tp", n, "--routing", routing], cwd=TESTS, env=env,
-        capture_output=True, text=True, timeout=900,
+        [sys.executable, "split_check.py", "--tp", n, "--model", f"{routing}-moe"], cwd=TESTS,
+        env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])

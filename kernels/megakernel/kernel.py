@@ -548,21 +548,7 @@ def _kernel(*refs, p, names):
         return copies
 
     def mlp_copies(li):
-        def copies(j, slot):
-            col = pl.ds(ops.aligned(j * tf, tf), tf)
-            return (
-                pltpu.make_async_copy(
-                    r.w_gate_hbm.at[li, :, col], r.gate_buf_ref.at[slot], r.mlp_sem.at[0, slot]
-                ),
-                pltpu.make_async_copy(
-                    r.w_up_hbm.at[li, :, col], r.up_buf_ref.at[slot], r.mlp_sem.at[1, slot]
-                ),
-                pltpu.make_async_copy(
-                    r.w_down_hbm.at[li, col, :], r.down_buf_ref.at[slot], r.mlp_sem.at[2, slot]
-                ),
-            )
-
-        return copies
+        return ops.ffn_copies(r, "w", li, tf)
 
     def head_copies(width):
         def copies(j, slot):

@@ -135,25 +135,8 @@ def router_copy(r, li):
 
 
 def shared_copies(r, p, li):
-    """DMA descriptors of MoE layer li's shared-expert tile j (gate / up columns and the
-    matching down rows)."""
-    tf = p.bs.mlp_cols
-
-    def copies(j, slot):
-        col = pl.ds(ops.aligned(j * tf, tf), tf)
-        return (
-            pltpu.make_async_copy(
-                r.s_gate_hbm.at[li, :, col], r.gate_buf_ref.at[slot], r.mlp_sem.at[0, slot]
-            ),
-            pltpu.make_async_copy(
-                r.s_up_hbm.at[li, :, col], r.up_buf_ref.at[slot], r.mlp_sem.at[1, slot]
-            ),
-            pltpu.make_async_copy(
-                r.s_down_hbm.at[li, col, :], r.down_buf_ref.at[slot], r.mlp_sem.at[2, slot]
-            ),
-        )
-
-    return copies
+    """DMA descriptors of MoE layer li's shared-expert tile j."""
+    return ops.ffn_copies(r, "s", li, p.bs.mlp_cols)
 
 
 def shared_tiles(p) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 NEG = -1e30  # finite "minus infinity" (the reference's), so masked rows stay NaN-free
 
@@ -46,6 +47,26 @@ def start(copies):
 def wait(copies):
     for c in copies:
         c.wait()
+
+
+def ffn_copies(r, prefix, li, tf):
+    """copies(j, slot) for an MLP's tile j of layer li: `{prefix}_gate` / `{prefix}_up`
+    columns and the matching `{prefix}_down` rows (the dense MLP "w", a MoE layer's
+    shared experts "s") into the MLP ring's buffers."""
+    hbm = {part: getattr(r, f"{prefix}_{part}_hbm") for part in ("gate", "up", "down")}
+
+    def copies(j, slot):
+        col = pl.ds(aligned(j * tf, tf), tf)
+        return (
+            pltpu.make_async_copy(hbm["gate"].at[li, :, col], r.gate_buf_ref.at[slot],
+                                  r.mlp_sem.at[0, slot]),
+            pltpu.make_async_copy(hbm["up"].at[li, :, col], r.up_buf_ref.at[slot],
+                                  r.mlp_sem.at[1, slot]),
+            pltpu.make_async_copy(hbm["down"].at[li, col, :], r.down_buf_ref.at[slot],
+                                  r.mlp_sem.at[2, slot]),
+        )  # fmt: skip
+
+    return copies
 
 
 def stream(n, offset, copies, body, *, ring, nxt=None, init=0):
