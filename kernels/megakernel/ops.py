@@ -53,9 +53,9 @@ def ffn_copies(r, prefix, li, tf):
     """copies(j, slot) for an MLP's tile j of layer li: `{prefix}_gate` / `{prefix}_up`
     columns and the matching `{prefix}_down` rows (the dense MLP "w", a MoE layer's
     shared experts "s") into the MLP ring's buffers."""
-    hbm = {part: getattr(r, f"{prefix}_{part}_hbm") for part in ("gate", "up", "down")}
 
-    def copies(j, slot):
+    def copies(j, slot):  # refs looked up here: a MoE model has no dense "w" MLP
+        hbm = {part: getattr(r, f"{prefix}_{part}_hbm") for part in ("gate", "up", "down")}
         col = pl.ds(aligned(j * tf, tf), tf)
         return (
             pltpu.make_async_copy(hbm["gate"].at[li, :, col], r.gate_buf_ref.at[slot],
