@@ -39,17 +39,3 @@ def _free_compiled_programs():
 
     jax.clear_caches()
     gc.collect()
-
-
-# Modules whose tests start Ray (a local cluster, `ray start`, Ray Serve): under
-# pytest-xdist they share one worker, one at a time (`--dist loadgroup`), so two
-# clusters never race for the same ports.
-_RAY_MODULES = {"test_cluster", "test_cluster_job", "test_server", "test_server_cluster",
-                "test_openai_api"}  # fmt: skip
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
-        if item.get_closest_marker("ray") or module in _RAY_MODULES:
-            item.add_marker(pytest.mark.xdist_group("ray"))
