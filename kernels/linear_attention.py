@@ -80,7 +80,7 @@ class LinearBlock:
     g: jax.Array
 
 
-# The megakernel's stacks of a hybrid model (`megakernel.hybrid.kernel_params`):
+# The megakernel's stacks of a hybrid model (`stacked_layout`):
 # shared per-layer weights [L, ...] in `layers` beside the attention layers' [La, ...],
 # the linear layers' [Ll, ...] under `lin`.
 SHARED_KEYS = ("attn_norm", "mlp_norm", "w_gate", "w_up", "w_down")

@@ -215,24 +215,35 @@ def mix_sequence(conv_in, conv_w, ba, z, path, state, fresh, a_log, dt_bias, lin
             write(h, ops.rms(o, lin_norm, eps) * (zh * jax.nn.sigmoid(zh)), k, u, big_g)
 
 
-def _mix_kernel(slots_ref, lens_ref, x_ref, ba_ref, z_ref, win_ref, mask_ref, selb_ref,
-                sels_ref, conv_ref, alog_ref, dtb_ref, norm_ref, rec_hbm, o_ref, k_ref,
-                u_ref, g_ref, s_buf, sem, *, dims, np_, eps, batch):  # fmt: skip
-    def state_copy(b, slot):
-        return pltpu.make_async_copy(rec_hbm.at[slots_ref[b]], s_buf.at[slot], sem.at[slot])
-
+def over_sequences(batch: int, state_copy, body) -> None:
+    """A loop over the batch's sequences whose committed states arrive by DMA into a
+    two-slot buffer, sequence b + 1's while b computes: `state_copy(b, slot)` is the
+    copy's descriptor, `body(b, slot, wait)` calls wait() before it reads slot."""
     state_copy(0, 0).start()
 
-    def sequence(b, carry):
+    def step(b, carry):
         slot = jax.lax.rem(b, 2)
 
         @pl.when(b + 1 < batch)
         def _():
             state_copy(b + 1, 1 - slot).start()
 
+        body(b, slot, state_copy(b, slot).wait)
+        return carry
+
+    jax.lax.fori_loop(0, batch, step, 0)
+
+
+def _mix_kernel(slots_ref, lens_ref, x_ref, ba_ref, z_ref, win_ref, mask_ref, selb_ref,
+                sels_ref, conv_ref, alog_ref, dtb_ref, norm_ref, rec_hbm, o_ref, k_ref,
+                u_ref, g_ref, s_buf, sem, *, dims, np_, eps, batch):  # fmt: skip
+    def state_copy(b, slot):
+        return pltpu.make_async_copy(rec_hbm.at[slots_ref[b]], s_buf.at[slot], sem.at[slot])
+
+    def sequence(b, slot, wait):
         rows = pl.ds(pl.multiple_of(b * np_, 8), np_)
         conv_in = conv_inputs(x_ref[rows, :], win_ref[b], selb_ref[b], sels_ref[b])
-        state_copy(b, slot).wait()
+        wait()
 
         def write(h, o, k, u, big_g):
             o_ref[h, rows, :] = o
@@ -245,6 +256,5 @@ def _mix_kernel(slots_ref, lens_ref, x_ref, ba_ref, z_ref, win_ref, mask_ref, se
             lambda h: s_buf[slot, h], lens_ref[b] == 0, alog_ref[...], dtb_ref[...],
             norm_ref[...], write, dims=dims, eps=eps,
         )  # fmt: skip
-        return carry
 
-    jax.lax.fori_loop(0, batch, sequence, 0)
+    over_sequences(batch, state_copy, sequence)

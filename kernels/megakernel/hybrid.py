@@ -8,7 +8,8 @@ kind), and the layer body runs the attention mixer or the DeltaNet mixer under
 during this layer's MLP whichever its kind (the same qkv ring serves both mixers'
 input projections), so the DMA queue still never drains at a layer boundary.
 
-Weights (`kernel_params`, once at load, from the model's per-layer tuple):
+Weights (`linear_attention.stacked_layout`, once at load, from the model's per-layer
+tuple):
 
     layers/attn_norm, mlp_norm [L, D]    w_gate, w_up [L, D, F]    w_down [L, F, D]
     layers/wq, wk, wv, wo, wg, q_norm, k_norm   stacked over the La attention layers
@@ -33,7 +34,6 @@ layers' block K/V do.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
@@ -54,22 +54,12 @@ LINEAR_SPLIT = {
 LINEAR_HBM = ("w_lq", "w_lk", "w_lv", "w_z", "w_ba", "w_out")
 
 
-def is_kernel_layout(params: Params) -> bool:
-    return "lin" in params
-
-
 def layer_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     """i32[L] kinds and i32[L] each layer's index among the layers of its kind."""
     kinds = np.array([KIND_LINEAR if cfg.linear_layer(i) else KIND_ATTENTION
                       for i in range(cfg.num_layers)], np.int32)  # fmt: skip
     index = np.array([cfg.cache_layer(i) for i in range(cfg.num_layers)], np.int32)
     return kinds, index
-
-
-def kernel_params(cfg: ModelConfig, params: Params) -> Params:
-    """The model's per-layer tuple restacked as the kernel streams it (module
-    docstring; `linear_attention.stacked_layout`)."""
-    return la.stacked_layout(cfg, params)
 
 
 def check(cfg: ModelConfig, n: int) -> None:
@@ -282,21 +272,14 @@ def _mix_rows(r, p, bi, conv_w, dims):
         src = r.rec_hbm.at[bi, jnp.maximum(r.slots_ref[b], 0)]
         return pltpu.make_async_copy(src, r.s_buf_ref.at[slot], r.s_sem.at[slot])
 
-    state_copy(0, 0).start()
     lanes = ops.iota((p.Np, tuning.LANES), 1)
 
-    def sequence(b, carry):
-        slot = jax.lax.rem(b, 2)
-
-        @pl.when(b + 1 < p.B)
-        def _():
-            state_copy(b + 1, 1 - slot).start()
-
+    def sequence(b, slot, wait):
         rows = pl.ds(pl.multiple_of(b * p.Np, 8), p.Np)
         win = jnp.concatenate([r.winq_buf_ref[b], r.wink_buf_ref[b], r.winv_buf_ref[b]], axis=1)
         conv_in = deltanet.conv_inputs(r.lx_ref[rows, :], win, r.sel_block_ref[b],
                                        r.sel_state_ref[b])  # fmt: skip
-        state_copy(b, slot).wait()
+        wait()
         gs = []
 
         def write(h, o, k, u, big_g):
@@ -315,16 +298,14 @@ def _mix_rows(r, p, bi, conv_w, dims):
         for h in range(hv):
             g_lanes = jnp.where(lanes == h, gs[h], g_lanes)
         r.rg_ref[rows, :] = g_lanes
-        return carry
 
-    jax.lax.fori_loop(0, p.B, sequence, 0)
+    deltanet.over_sequences(p.B, state_copy, sequence)
 
 
 SEMAPHORES = (("lin_sem", (6,)), ("s_sem", (2,)))
 
 __all__ = [
     "check",
-    "kernel_params",
     "layer_tables",
     "linear_mixer",
     "records",

@@ -79,6 +79,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from specdec.kernels import linear_attention as la
 from specdec.kernels import stacks, transformer
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.megakernel import attention, collectives, hybrid, moe, ops, shard, tuning
@@ -140,7 +141,7 @@ def _verify(
     tp = _mesh_size(mesh)
     shard.check_shardable(cfg, tp, tpu=not interpret)
     if cfg.is_hybrid:  # `shard.prepare_params` restacks once at load instead
-        params = hybrid.kernel_params(cfg, params)
+        params = la.stacked_layout(cfg, params)
     elif stacks.is_mixed_moe(cfg):
         params = stacks.moe_stacked(cfg, params)
     _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, uniforms, cfg, tp)

@@ -35,6 +35,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from specdec.kernels import linear_attention as la
 from specdec.kernels import stacks
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.megakernel.tuning import LANES, round_up
@@ -169,9 +170,7 @@ def prepare_params(cfg: ModelConfig, params: Params, n: int) -> tuple[ModelConfi
     the n-device kernel streams `params` as they are (no per-step copy)."""
     check_shardable(cfg, n)
     if cfg.is_hybrid:  # the kernel's stacks (`hybrid` module docstring)
-        from specdec.kernels.megakernel import hybrid
-
-        params = hybrid.kernel_params(cfg, params)
+        params = la.stacked_layout(cfg, params)
     elif stacks.is_mixed_moe(cfg):
         params = stacks.moe_stacked(cfg, params)
     cfg, params = replicate_kv_heads(cfg, params, n)
