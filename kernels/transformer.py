@@ -629,9 +629,9 @@ def _mla_qkv(cfg, lp, h, positions, inv_freq, layout: Layout):
     else:
         q = layout.linear(lp, "wq", h)
     q = q.reshape(b, n, cfg.num_heads, nope + r)
-    kv = layout.linear(lp, "wkv_a", h)  # [B, N, c + r]
+    kv = layout.linear(lp, "wkv_a", h)  # [B, N, c + r (+ the megakernel's zero padding)]
     latent = rms_norm(kv[..., :c], lp["kv_a_norm"], cfg.rms_norm_eps)
-    q_rope, k_rope = q[..., nope:], kv[:, :, c:]
+    q_rope, k_rope = q[..., nope:], kv[:, :, c : c + r]
     if cfg.use_rope:  # Kimi Linear's MLA has no positions: its "rope" dims stay as they are
         scale = rope_scale(cfg)
         q_rope = apply_rope(q_rope, positions, inv_freq, scale)

@@ -1,9 +1,9 @@
-"""Child process of tests/test_megakernel_hybrid.py and tests/test_megakernel_moe.py:
-the hybrid or MoE megakernel split over n virtual CPU devices (linear and attention
-heads; whole experts per device, combined by the all-reduce) against the one-device
-reference. Needs XLA_FLAGS with >= n host devices; prints one JSON line.
+"""Child process of tests/test_megakernel_{hybrid,moe,mla}.py: the hybrid, MoE or MLA
+megakernel split over n virtual CPU devices (linear and attention heads; whole experts
+per device, combined by the all-reduce; MLA heads over a replicated latent cache)
+against the one-device reference. Needs XLA_FLAGS with >= n host devices; prints one JSON line.
 
-    python tests/split_check.py --tp 4 --model hybrid   # or qwen3-moe, deepseek-moe
+    python tests/split_check.py --tp 4 --model hybrid   # or qwen3-moe, deepseek-moe, deepseek-mla
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ def case(model: str):
                                      vocab_size=300)  # fmt: skip
         blocks = BlockSizes(proj_cols=16, out_rows=16, mlp_cols=32, vocab_cols=96, kv_rows=16)
         return cfg, params, t.hybrid_cache(cfg, jnp.float32), t.batch("tree"), blocks
+    if model == "deepseek-mla":
+        import test_megakernel_mla as t
+
+        cfg, params = t.mla_model(vocab_size=300)
+        # The dense first layer's 96 columns and the shared expert's 32 split 4 ways.
+        blocks = dataclasses.replace(t.BLOCKS, mlp_cols=8)
+        return cfg, params, t.mla_cache(cfg, jnp.float32), t.batch("tree"), blocks
     import test_megakernel_moe as t
 
     cfg, params = t.moe_model(routing=model.split("-")[0], vocab_size=300)
@@ -48,7 +55,8 @@ def max_err(a, b, rows) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, required=True)
-    ap.add_argument("--model", required=True, choices=["hybrid", "qwen3-moe", "deepseek-moe"])
+    models = ["hybrid", "qwen3-moe", "deepseek-moe", "deepseek-mla"]
+    ap.add_argument("--model", required=True, choices=models)
     args = ap.parse_args()
     n = args.tp
     cfg, params, cache, (roots, tokens, parents, slots, lens), blocks = case(args.model)
@@ -89,6 +97,12 @@ def main() -> None:
             max_err(getattr(out.lin, f), getattr(ref.lin, f), (slice(None), valid))
             for f in ("x", "k", "u", "g")
         )
+    if cfg.is_mla:  # every device wrote the same latents into its copy of the cache
+        found["cache_err"] = max(
+            max_err(out.cache.k[:, slot, :, length : length + nodes + 1],
+                    ref.cache.k[:, slot, :, length : length + nodes + 1], ...)
+            for slot, length in zip(slots, lens, strict=True) if slot >= 0
+        )  # fmt: skip
     print(json.dumps(found))
 
 

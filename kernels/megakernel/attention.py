@@ -1,6 +1,8 @@
 """Attention inside the verify megakernel: per sequence and KV head, the tree block
 then the committed KV tiles (online softmax), and the block's K/V written to the cache
-(`kernel` module docstring)."""
+(`kernel` module docstring). Under multi-head latent attention (`p.mla`, `mla`) the
+one K "head" is [latent, rotary key] and the values are its first `p.c` entries: no V
+is read or written."""
 
 from __future__ import annotations
 
@@ -25,18 +27,23 @@ def attend_row(r, p, li, b, carry):
     mask = jnp.concatenate([mask] * g_, axis=0) if g_ > 1 else mask
     qpos = r.qpos_ref[pl.ds(row0, np_), :]
     qpos = jnp.concatenate([qpos] * g_, axis=0) if g_ > 1 else qpos
-    scale = 1.0 / math.sqrt(hd)
+    scale = p.cfg.softmax_scale if p.mla else 1.0 / math.sqrt(hd)
 
     def head(g, c):
         heads = pl.ds(g * g_, g_)
         q = r.q_ref[heads, pl.ds(row0, np_), :].reshape(g_ * np_, hd) * scale
-        s = jnp.where(mask, ops.dot_nt(q, r.k_ref[g, pl.ds(row0, np_), :]), ops.NEG)
+        k = r.k_ref[g, pl.ds(row0, np_), :]
+        s = jnp.where(mask, ops.dot_nt(q, k), ops.NEG)
         m = jnp.max(s, axis=1, keepdims=True)  # finite: every row sees itself
         e = jnp.exp(s - m)
-        acc = ops.dot(e, r.v_ref[g, pl.ds(row0, np_), :])
+        acc = ops.dot(e, k[:, : p.c] if p.mla else r.v_ref[g, pl.ds(row0, np_), :])
         init = (m, jnp.sum(e, axis=1, keepdims=True), acc)
         _, lsum, acc = attend_cache(r, p, li, g, jnp.maximum(slot, 0), length, q, qpos, init)
         out = acc / lsum
+        if p.mla:  # the latent per head; `mla.mixer` applies w_uv
+            r.olat_ref[heads, pl.ds(row0, np_), :] = out.reshape(g_, np_, p.c)
+            write_block_kv(r, p, li, g, row0, slot, length)
+            return c
         if p.gated:  # Qwen3.5 / Qwen3-Next: a sigmoid gate per output channel
             gate = r.gate_ref[heads, pl.ds(row0, np_), :].reshape(g_ * np_, hd)
             out = out * jax.nn.sigmoid(gate)
@@ -60,14 +67,15 @@ def attend_cache(r, p, li, g, slot, length, q, qpos, carry):
 
     def copies(t, s):
         rows = pl.ds(tile_start(t), tkv)
-        return (
-            pltpu.make_async_copy(
-                r.k_hbm.at[li, slot, g, rows, :], r.kbuf_ref.at[s], r.kv_sem.at[0, s]
-            ),
-            pltpu.make_async_copy(
-                r.v_hbm.at[li, slot, g, rows, :], r.vbuf_ref.at[s], r.kv_sem.at[1, s]
-            ),
+        k = pltpu.make_async_copy(
+            r.k_hbm.at[li, slot, g, rows, :], r.kbuf_ref.at[s], r.kv_sem.at[0, s]
         )
+        if p.mla:  # the values are the keys' latent part
+            return (k,)
+        v = pltpu.make_async_copy(
+            r.v_hbm.at[li, slot, g, rows, :], r.vbuf_ref.at[s], r.kv_sem.at[1, s]
+        )
+        return k, v
 
     @pl.when(n_tiles > 0)
     def _():
@@ -90,7 +98,7 @@ def attend_cache(r, p, li, g, slot, length, q, qpos, carry):
         live_col = (pos_col >= t * tkv) & (pos_col < length)
         # Zero dead rows: unused cache slots may hold NaN, and 0 * NaN is NaN.
         k = jnp.where(live_col, r.kbuf_ref[s].astype(jnp.float32), 0.0)
-        v = jnp.where(live_col, r.vbuf_ref[s].astype(jnp.float32), 0.0)
+        v = k[:, : p.c] if p.mla else jnp.where(live_col, r.vbuf_ref[s].astype(jnp.float32), 0.0)
         pos_row = start + ops.iota((1, tkv), 1)
         live = (pos_row >= t * tkv) & (pos_row < length)
         if window is not None:
@@ -111,7 +119,8 @@ def write_block_kv(r, p, li, g, row0, slot, length):
 
     @pl.when((slot >= 0) & (length + n1 <= t_len))
     def _():
-        for i, (src, dst) in enumerate(((r.k_ref, r.k_hbm), (r.v_ref, r.v_hbm))):
+        pairs = ((r.k_ref, r.k_hbm),) if p.mla else ((r.k_ref, r.k_hbm), (r.v_ref, r.v_hbm))
+        for i, (src, dst) in enumerate(pairs):
             if np.dtype(p.cdtype).itemsize >= 4:  # 32-bit rows: any offset is a legal DMA
                 cp = pltpu.make_async_copy(
                     src.at[g, pl.ds(row0, n1), :],

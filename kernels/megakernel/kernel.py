@@ -61,7 +61,9 @@ rows.
 Hybrid targets (gated DeltaNet + gated attention layers): `hybrid` module docstring.
 Routed experts (Qwen3-MoE, DeepSeek-V3 routing): `moe` module docstring.
 
-Not covered: multi-head latent attention (use the XLA path). KV writes need
+Multi-head latent attention (DeepSeek-V3 class): `mla` module docstring.
+
+KV writes need
 `cache_lens[b] + N + 1 <= max_len` for active rows (the target worker sizes its
 cache so); rows beyond it get no K/V written.
 """
@@ -82,7 +84,16 @@ from jax.sharding import PartitionSpec as P
 from specdec.kernels import linear_attention as la
 from specdec.kernels import stacks, transformer
 from specdec.kernels.config import ModelConfig
-from specdec.kernels.megakernel import attention, collectives, hybrid, moe, ops, shard, tuning
+from specdec.kernels.megakernel import (
+    attention,
+    collectives,
+    hybrid,
+    mla,
+    moe,
+    ops,
+    shard,
+    tuning,
+)
 from specdec.kernels.megakernel.collectives import AXIS
 from specdec.kernels.megakernel.reference import VerifyResult, decide, tree_block
 from specdec.kernels.megakernel.tuning import BlockSizes
@@ -144,9 +155,11 @@ def _verify(
         params = la.stacked_layout(cfg, params)
     elif stacks.is_mixed_moe(cfg):
         params = stacks.moe_stacked(cfg, params)
+    if cfg.is_mla:  # `shard.prepare_params` pads once instead
+        params = mla.pad_kv(cfg, params)
     _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, uniforms, cfg, tp)
     b, n = tokens.shape
-    wdtype = params["layers"]["wq"].dtype
+    wdtype = params["layers"]["wo"].dtype
     width = shard.padded_vocab(cfg.vocab_size, tp)
     if shard.head_width(cfg, params) < width:  # `shard.prepare_params` pads once instead
         params = shard.pad_head(cfg, params, width)
@@ -188,7 +201,7 @@ def _devices(mesh: Mesh | None) -> list:
 
 def _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, uniforms, cfg, tp):
     """Trace-time shape and dtype checks (values are the caller's contract)."""
-    if cfg.num_kv_heads % tp:
+    if cfg.num_kv_heads % tp and not cfg.is_mla:  # MLA's one latent is replicated
         raise ValueError(
             f"On {tp} devices the kernel needs num_kv_heads ({cfg.num_kv_heads}) divisible by "
             f"{tp}: repeat the K/V heads first (`megakernel.shard.prepare_params`), which also "
@@ -212,11 +225,12 @@ def _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, unif
     ):
         if arr.shape != shape:
             raise ValueError(f"{name} must have shape {shape}, got {arr.shape}.")
-    expect = (cfg.num_cache_layers, cache.num_slots, cfg.num_kv_heads, cache.max_len, cfg.head_dim)
-    if cache.k.shape != expect or cache.v.shape != cache.k.shape:
+    lead = (cfg.num_cache_layers, cache.num_slots, cfg.num_kv_heads, cache.max_len)
+    expect = tuple((*lead, width) for width in cfg.cache_dims)
+    if (cache.k.shape, cache.v.shape) != expect:
         raise ValueError(
-            f"cache.k and cache.v must have shape {expect}, got {cache.k.shape} and "
-            f"{cache.v.shape}."
+            f"cache.k and cache.v must have shapes {expect[0]} and {expect[1]}, got "
+            f"{cache.k.shape} and {cache.v.shape}."
         )
     if cache.k.dtype.itemsize not in (2, 4) or cache.v.dtype != cache.k.dtype:
         raise ValueError(f"The cache must be float32 or a 16-bit float, got {cache.k.dtype}.")
@@ -234,16 +248,17 @@ def _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, unif
     lp = params["layers"]
     head = params[shard.head_leaf(cfg)[0]]
     streamed = {name: lp[name] for name in ("wq", "wk", "wv", "wo", "wg", "w_gate", "w_up",
-                                            "w_down", *moe.SPLIT) if name in lp}  # fmt: skip
+                                            "w_down", *moe.SPLIT, *mla.SPLIT)
+                if name in lp}  # fmt: skip
     if cfg.is_hybrid:
         streamed |= {name: params["lin"][name] for name in hybrid.LINEAR_HBM}
         if cache.lin is None:
             raise ValueError("A hybrid model's cache must hold its linear layers' state (lin).")
     for name, w in (streamed | {"LM head": head}).items():
-        if w.dtype != lp["wq"].dtype:
+        if w.dtype != lp["wo"].dtype:
             raise ValueError(
-                f"Streamed weights must share one dtype; {name} is {w.dtype}, wq is "
-                f"{lp['wq'].dtype}."
+                f"Streamed weights must share one dtype; {name} is {w.dtype}, wo is "
+                f"{lp['wo'].dtype}."
             )
 
 
@@ -255,7 +270,7 @@ def _verify_call(
     (`shard.local_config`); everything row-shaped is built here once, replicated."""
     b, n = tokens.shape
     lp = params["layers"]
-    np_ = tuning.block_rows(n, lp["wq"].dtype)
+    np_ = tuning.block_rows(n, lp["wo"].dtype)
     m, n1 = b * np_, n + 1
     d, hd = cfg.hidden_size, cfg.head_dim
     f32, i32 = jnp.float32, jnp.int32
@@ -277,9 +292,10 @@ def _verify_call(
     half = cfg.rotary_dim // 2
     first, rotated = lane < half, lane < 2 * half
     freq_idx = np.where(first, lane, np.where(rotated, lane - half, 0))
-    cos = jnp.where(rotated, jnp.cos(freqs)[:, freq_idx], 1.0)
+    scale = transformer.rope_scale(cfg)  # YaRN's attention factor on the rotated lanes
+    cos = jnp.where(rotated, scale * jnp.cos(freqs)[:, freq_idx], 1.0)
     sin = jnp.where(first, -jnp.sin(freqs)[:, freq_idx], jnp.sin(freqs)[:, freq_idx])
-    sin = jnp.where(rotated, sin, 0.0)
+    sin = jnp.where(rotated, scale * sin, 0.0)
     # Per-row tree facts for the greedy walk (block index space: root = 0, node i = i + 1).
     valid = jnp.pad(
         jnp.concatenate([jnp.zeros((b, 1), bool), parents >= -1], 1), ((0, 0), (0, pad))
@@ -314,9 +330,13 @@ def _verify_call(
     if cfg.qk_norm:
         rows_in |= {name: lp[name].astype(f32) for name in ("q_norm", "k_norm")}
     head, head_axis = shard.head_leaf(cfg)
-    split_in |= {
-        "wq": (lp["wq"], 2), "wk": (lp["wk"], 2), "wv": (lp["wv"], 2), "wo": (lp["wo"], 1),
-    }  # fmt: skip
+    if cfg.is_mla:  # `mla`: heads split, the latent path replicated
+        rows_in |= {name: lp[name].astype(f32) for name in ("q_a_norm", "kv_a_norm") if name in lp}
+        split_in |= {name: (lp[name], axis) for name, axis in mla.SPLIT.items() if name in lp}
+    else:
+        split_in |= {
+            "wq": (lp["wq"], 2), "wk": (lp["wk"], 2), "wv": (lp["wv"], 2), "wo": (lp["wo"], 1),
+        }  # fmt: skip
     tables = {}
     if cfg.is_moe:  # routed experts (`moe`): whole experts per device, the router everywhere
         split_in |= {name: (lp[name], axis) for name, axis in moe.SPLIT.items()}
@@ -332,9 +352,11 @@ def _verify_call(
     if "w_gate" in lp:
         split_in |= {"w_gate": (lp["w_gate"], 2), "w_up": (lp["w_up"], 2),
                      "w_down": (lp["w_down"], 1)}  # fmt: skip
-    split_in |= {
-        "head": (params[head], head_axis), "k_cache": (cache.k, 2), "v_cache": (cache.v, 2),
-    }  # fmt: skip
+    split_in["head"] = (params[head], head_axis)
+    if cfg.is_mla:  # one latent per token, the same on every device (each writes its copy)
+        split_in["k_cache"] = (cache.k, None)
+    else:
+        split_in |= {"k_cache": (cache.k, 2), "v_cache": (cache.v, 2)}
     if cfg.attn_output_gate:
         split_in["wg"] = (lp["wg"], 2)
     if cfg.is_hybrid:
@@ -355,17 +377,20 @@ def _verify_call(
     rec_cuts = []
     if cfg.is_hybrid:
         rec_cuts = [_cut(len(s), axis) for s, axis in hybrid.record_shapes(local, m)]
+    n_cache = 1 if cfg.is_mla else 2  # MLA's values are its keys' latent: no V
     if mesh is None:
-        logits, verdict, k_cache, v_cache, *recs = run(*args)
+        logits, verdict, *caches_out = run(*args)
     else:
         cut = [_cut(a.ndim, axis) for a, axis in split_in.values()]
-        logits, verdict, k_cache, v_cache, *recs = jax.shard_map(
+        logits, verdict, *caches_out = jax.shard_map(
             run,
             mesh=mesh,
             in_specs=(*[P()] * len(scalars), *[P()] * len(rows_in), *cut),
-            out_specs=(P(None, AXIS), P(), cut[-2], cut[-1], *rec_cuts),
+            out_specs=(P(None, AXIS), P(), *cut[-n_cache:], *rec_cuts),
             check_vma=False,  # the verdict is replicated by construction (collectives)
         )(*args)
+    k_cache, recs = caches_out[0], caches_out[n_cache:]
+    v_cache = cache.v if cfg.is_mla else caches_out[1]
     logits = logits.reshape(b, np_, -1)[:, :n1, : cfg.vocab_size]
     greedy = Verdict(verdict[:, 0, :n], verdict[:, 1, 0], verdict[:, 2, 0])
     lin = hybrid.records(recs, cfg, b, np_, n1, tp) if recs else None
@@ -386,12 +411,13 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
     nsp = 4 if local.is_hybrid or mixed else 2  # scalar prefetch: slots, lens (+ layer tables)
     scalars, arrays = arrays[:nsp], arrays[nsp:]
     ins = dict(zip(names, arrays, strict=True))
-    k_cache, v_cache = ins.pop("k_cache"), ins.pop("v_cache")
-    wdtype, cdtype = ins["wq"].dtype, k_cache.dtype
+    caches = [ins.pop("k_cache")] + ([] if local.is_mla else [ins.pop("v_cache")])
+    k_cache = caches[0]
+    wdtype, cdtype = ins["wo"].dtype, k_cache.dtype
     e_local = ins["e_gate"].shape[1] if local.is_moe else 0
     hbm_names = ("wq", "wk", "wv", "wo", "wg", "w_gate", "w_up", "w_down", "head",
                  *hybrid.LINEAR_HBM, "rec", "win_q", "win_k", "win_v", *moe.SPLIT,
-                 *moe.SHARED_SPLIT)  # fmt: skip
+                 *moe.SHARED_SPLIT, *mla.SPLIT)  # fmt: skip
     hbm_in = {name: ins.pop(name) for name in hbm_names if name in ins}
     vmem_in = ins
     L, m = local.num_layers, ins["x0"].shape[0]
@@ -429,8 +455,8 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
     if local.is_moe:
         sems.append(pltpu.SemaphoreType.DMA((2,)))  # router weights, routing flags -> SMEM
         sem_names.append("moe_sem")
-    if local.is_hybrid:
-        for name, shape in hybrid.SEMAPHORES:
+    for on, extra in ((local.is_hybrid, hybrid.SEMAPHORES), (local.is_mla, mla.SEMAPHORES)):
+        for name, shape in extra if on else ():
             sems.append(pltpu.SemaphoreType.DMA(shape))
             sem_names.append(name)
     rec_names = ["rx_q", "rx_k", "rx_v", "rk", "ru", "rg"] if local.is_hybrid else []
@@ -440,8 +466,9 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
         + (["mkinds_ref", "midx_ref"] if mixed else [])
         + [f"{name}_ref" for name in vmem_in]
         + [f"{name}_hbm" for name in hbm_in]
-        + ["k_in_hbm", "v_in_hbm"]
-        + ["logits_hbm", "verdict_ref", "k_hbm", "v_hbm"]
+        + ["k_in_hbm", "v_in_hbm"][: len(caches)]
+        + ["logits_hbm", "verdict_ref"]
+        + ["k_hbm", "v_hbm"][: len(caches)]
         + [f"{name}_hbm" for name in rec_names]
         + [f"{buf.name}_ref" for buf in buffers if buf.kind == "scratch"]
         + smem_names
@@ -450,7 +477,9 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
     vs = local.vocab_size
     plan = SimpleNamespace(
         cfg=local, bs=bs, B=batch, N1=num_nodes + 1, Np=np_, M=m, D=local.hidden_size,
-        H=local.num_heads, K=local.num_kv_heads, G=local.q_per_kv, hd=local.head_dim, L=L,
+        H=local.num_heads, K=local.num_kv_heads, G=local.q_per_kv, L=L,
+        hd=local.cache_dims[0],  # a query / key head's width (MLA: latent + rotary key)
+        mla=local.is_mla, c=local.kv_lora_rank,
         V=vs, T=k_cache.shape[3], wdtype=wdtype, cdtype=cdtype,
         rmw_rows=tuning.kv_write_rows(num_nodes, cdtype), tp=tp, vocab=vocab,
         hybrid=local.is_hybrid, gated=local.attn_output_gate, rot=local.rotary_dim,
@@ -462,8 +491,7 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
     out_shape = (
         jax.ShapeDtypeStruct((m, vs), jnp.float32),
         jax.ShapeDtypeStruct((batch, 8, np_), jnp.int32),
-        jax.ShapeDtypeStruct(k_cache.shape, cdtype),
-        jax.ShapeDtypeStruct(v_cache.shape, cdtype),
+        *(jax.ShapeDtypeStruct(c.shape, cdtype) for c in caches),
     )
     if local.is_hybrid:
         m_rows = batch * np_
@@ -475,28 +503,28 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=nsp,
             grid=(1,),
-            in_specs=[vmem] * len(vmem_in) + [hbm] * (len(hbm_in) + 2),
-            out_specs=[hbm, vmem, hbm, hbm] + [hbm] * len(rec_names),
+            in_specs=[vmem] * len(vmem_in) + [hbm] * (len(hbm_in) + len(caches)),
+            out_specs=[hbm, vmem] + [hbm] * (len(caches) + len(rec_names)),
             scratch_shapes=scratch + sems,
         ),
         # Operand indices count the two scalar-prefetch operands.
-        input_output_aliases={nsp + n_in: 2, nsp + n_in + 1: 3},
+        input_output_aliases={nsp + n_in + i: 2 + i for i in range(len(caches))},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
             vmem_limit_bytes=bs.vmem_limit_bytes,
             collective_id=0 if tp > 1 else None,
         ),  # fmt: skip
-        cost_estimate=_cost(local, hbm_in, k_cache, m),
+        cost_estimate=_cost(local, hbm_in, caches, m),
         interpret=interpret,
         name="verify_megakernel",
     )
-    return call(*scalars, *vmem_in.values(), *hbm_in.values(), k_cache, v_cache)
+    return call(*scalars, *vmem_in.values(), *hbm_in.values(), *caches)
 
 
-def _cost(cfg: ModelConfig, weights: dict, k_cache: jax.Array, rows: int) -> pl.CostEstimate:
+def _cost(cfg: ModelConfig, weights: dict, caches: list, rows: int) -> pl.CostEstimate:
     """Matmul flops and HBM bytes (the streamed weights + the whole cache as an upper bound)."""
     weight_bytes = sum(x.size * x.dtype.itemsize for x in weights.values())
-    kv_bytes = 2 * k_cache.size * k_cache.dtype.itemsize
+    kv_bytes = sum(c.size * c.dtype.itemsize for c in caches)
     flops = 2 * rows * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size)
     return pl.CostEstimate(
         flops=int(flops), transcendentals=int(rows * cfg.vocab_size),
@@ -566,7 +594,10 @@ def _kernel(*refs, p, names):
     ring, mlp_ring = bs.weight_ring, bs.mlp_ring  # qkv / o / LM head rings; the MLP's
 
     def open_q(li, prev_ahead):
-        """Starts tile k of layer li's first stream: wq, or a linear layer's lq."""
+        """Starts tile k of layer li's first stream: wq, or a linear layer's lq (MLA: wq_a
+        or wq)."""
+        if p.mla:
+            return ops.opener(mla.first_copies(r, p, li), 0, mla.first_tiles(p), ring, prev_ahead)
         if not p.hybrid:
             return ops.opener(proj_copies("wq", li), 0, nq, ring, prev_ahead)
 
@@ -656,6 +687,8 @@ def _kernel(*refs, p, names):
             def _():
                 hybrid.linear_mixer(r, p, idx, acc_ref=acc_ref, start_update=start_update,
                                     open_out_next=open_mlp)  # fmt: skip
+        elif p.mla:
+            mla.mixer(r, p, li, acc_ref=acc_ref, start_update=start_update, open_mlp=open_mlp)
         else:
             attention_mixer(li, li, open_mlp)
         reduce_into_x()  # the first MLP tiles are already in flight
@@ -768,27 +801,12 @@ def _project(r, p, li, name, j, slot, carry):
             w = getattr(r, f"{name}_norm_ref")[pl.ds(li, 1), :]
             heads = [ops.rms(x, w, cfg.rms_norm_eps) for x in heads]
             y = jnp.concatenate(heads, axis=1) if hpt > 1 else heads[0]
-        y = _rope(y, r.cos_ref[...], r.sin_ref[...], hd, p.rot)
+        y = ops.rope(y, r.cos_ref[...], r.sin_ref[...], hd, p.rot)
         heads = [y[:, t * hd : (t + 1) * hd] for t in range(hpt)]
     dst = r.gate_ref if name == "g" else getattr(r, f"{name}_ref")
     for t, x in enumerate(heads):
         dst[j * hpt + t] = x
     return carry
-
-
-def _rope(y, cos, sin, hd, rot):
-    """Rotate-half RoPE on the first `rot` dims of whole heads laid side by side: y, cos,
-    sin f32[M, tp].
-
-    Lane c of a head pairs with c + rot/2 (first half) or c - rot/2 (second half); two
-    lane rotations fetch both partners and `sin` carries the sign (-sin, then +sin; 0 on
-    the lanes past `rot`, which pass through with cos = 1).
-    """
-    width, half = y.shape[1], rot // 2
-    ahead = pltpu.roll(y, width - half, 1)  # y[c + half]
-    behind = pltpu.roll(y, half, 1)  # y[c - half]
-    partner = jnp.where(jax.lax.rem(ops.iota(y.shape, 1), hd) < half, ahead, behind)
-    return y * cos + partner * sin
 
 
 def _greedy_row(r, p, b, carry):

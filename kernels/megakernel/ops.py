@@ -155,3 +155,18 @@ def dynamic_opener(copies, n, ring):
         @pl.when(k < n)
         def _(k=k):
             start(copies(k, rem(k, ring)))
+
+
+def rope(y, cos, sin, hd, rot):
+    """Rotate-half RoPE on the first `rot` dims of whole heads laid side by side: y, cos,
+    sin f32[M, tp].
+
+    Lane c of a head pairs with c + rot/2 (first half) or c - rot/2 (second half); two
+    lane rotations fetch both partners and `sin` carries the sign (-sin, then +sin; 0 on
+    the lanes past `rot`, which pass through with cos = 1).
+    """
+    width, half = y.shape[1], rot // 2
+    ahead = pltpu.roll(y, width - half, 1)  # y[c + half]
+    behind = pltpu.roll(y, half, 1)  # y[c - half]
+    partner = jnp.where(jax.lax.rem(iota(y.shape, 1), hd) < half, ahead, behind)
+    return y * cos + partner * sin

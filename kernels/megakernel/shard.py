@@ -5,6 +5,8 @@ Each of the n devices runs the same kernel on its shard of every layer
 
     what                          each device holds                      needs
     wq, bq / wo                   H / n query heads (columns / rows)     H % n == 0
+    MLA: wq / wq_b, w_uk, w_uv    H / n heads; wq_a, wkv_a and the       H % n == 0
+                                  latent cache replicated (`mla`)
     wk, wv, bk, bv, KV cache      K / n K/V heads                        K % n == 0 *
     w_gate, w_up / w_down         F / n intermediate columns / rows      F % n == 0
     LM head (lm_head or embed)    Vp / n vocabulary columns (rows)       Vp = V padded
@@ -66,7 +68,7 @@ def head_leaf(cfg: ModelConfig) -> tuple[str, int]:
 def split_config(cfg: ModelConfig, n: int) -> tuple[ModelConfig, int]:
     """What n devices run of `cfg` (`prepare_params` on shapes): the config with its
     K/V heads repeated up to n, and the LM head's padded width."""
-    if n > cfg.num_kv_heads:
+    if n > cfg.num_kv_heads and not cfg.is_mla:  # MLA's one latent is replicated
         cfg = dataclasses.replace(cfg, num_kv_heads=n)
     return cfg, padded_vocab(cfg.vocab_size, n)
 
@@ -76,10 +78,9 @@ def check_shardable(cfg: ModelConfig, n: int, *, tpu: bool = False) -> None:
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"The megakernel's device count must be a positive integer, got {n!r}.")
     if cfg.is_mla:
-        raise ValueError(
-            f"The verify megakernel covers grouped-query attention only; {cfg.architecture.value} "
-            f"with multi-head latent attention must use kernel='xla'."
-        )
+        from specdec.kernels.megakernel import mla
+
+        mla.check(cfg, n)
     if cfg.is_hybrid:
         from specdec.kernels.megakernel import hybrid
 
@@ -102,7 +103,7 @@ def check_shardable(cfg: ModelConfig, n: int, *, tpu: bool = False) -> None:
                 f"a multiple of {n}. Use tensor_parallel_size dividing {size}, or kernel='xla'."
             )
     k = cfg.num_kv_heads
-    if k % n and n % k:
+    if k % n and n % k and not cfg.is_mla:
         raise ValueError(
             f"The megakernel on {n} devices needs num_kv_heads ({k}) to divide by {n} or to "
             f"divide {n} (heads then replicated); use another tensor_parallel_size or kernel='xla'."
@@ -122,7 +123,7 @@ def replicate_kv_heads(cfg: ModelConfig, params: Params, n: int) -> tuple[ModelC
     e = h * n // H of the result, whose original is e // (n / K) = h * K // H.
     """
     k = cfg.num_kv_heads
-    if n <= k:
+    if n <= k or cfg.is_mla:  # MLA: every device holds the one latent (`mla`)
         return cfg, params
     if n % k:
         raise ValueError(f"num_kv_heads ({k}) must divide {n} to be replicated {n} ways.")
@@ -173,6 +174,10 @@ def prepare_params(cfg: ModelConfig, params: Params, n: int) -> tuple[ModelConfi
         params = la.stacked_layout(cfg, params)
     elif stacks.is_mixed_moe(cfg):
         params = stacks.moe_stacked(cfg, params)
+    if cfg.is_mla:  # wkv_a's columns padded to whole lanes
+        from specdec.kernels.megakernel import mla
+
+        params = mla.pad_kv(cfg, params)
     cfg, params = replicate_kv_heads(cfg, params, n)
     return cfg, pad_head(cfg, params, padded_vocab(cfg.vocab_size, n))
 
@@ -193,7 +198,7 @@ def local_config(cfg: ModelConfig, n: int, head_cols: int) -> ModelConfig:
     return dataclasses.replace(
         cfg,
         num_heads=cfg.num_heads // n,
-        num_kv_heads=cfg.num_kv_heads // n,
+        num_kv_heads=cfg.num_kv_heads if cfg.is_mla else cfg.num_kv_heads // n,
         intermediate_size=cfg.intermediate_size // n,
         vocab_size=head_cols // n,
         **linear,

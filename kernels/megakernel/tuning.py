@@ -109,6 +109,10 @@ class BlockSizes:
             ("mlp_cols", ffn, f"{ffn_name} = {ffn}"),
         ]
         q_rows = cfg.num_heads * hd
+        if cfg.is_mla:  # `megakernel.mla`: the two first products; wo rows of v-wide heads
+            qa, kvw = mla_widths(cfg)
+            rules[0] = ("proj_cols", math.gcd(qa, kvw), f"gcd(q columns {qa}, kv columns {kvw})")
+            hd, q_rows = cfg.v_head_dim, cfg.num_heads * cfg.v_head_dim
         if q_rows % self.out_rows or self.out_rows % hd:
             raise ValueError(
                 f"BlockSizes.out_rows ({self.out_rows}) must be a multiple of head_dim ({hd}) "
@@ -128,9 +132,10 @@ class BlockSizes:
                 f"BlockSizes.proj_cols ({self.proj_cols}) must be a multiple of {LANES} on TPU "
                 f"(num_kv_heads * head_dim = {kv_cols}); use kernel='xla' for this model."
             )
-        if self.proj_cols % hd:
+        if self.proj_cols % cfg.head_dim:
             raise ValueError(
-                f"BlockSizes.proj_cols ({self.proj_cols}) must be a multiple of head_dim ({hd})."
+                f"BlockSizes.proj_cols ({self.proj_cols}) must be a multiple of head_dim "
+                f"({cfg.head_dim})."
             )
         if cfg.is_hybrid:
             kd, vd, _ = cfg.linear_dims
@@ -178,6 +183,13 @@ def mlp_width(cfg: ModelConfig) -> tuple[int, str]:
         return cfg.moe_intermediate_size, "moe_intermediate_size"
     names = ", ".join(f"{k} = {v}" for k, v in widths.items())
     return math.gcd(*widths.values()), f"the gcd of {names}"
+
+
+def mla_widths(cfg: ModelConfig) -> tuple[int, int]:
+    """Columns of an MLA layer's two streamed first products (`megakernel.mla`): the
+    query's (q_lora_rank, or all heads' queries) and wkv_a's padded to whole lanes."""
+    qa = cfg.q_lora_rank or cfg.num_heads * (cfg.qk_nope_head_dim + cfg.head_dim)
+    return qa, round_up(cfg.kv_lora_rank + cfg.head_dim, LANES)
 
 
 def sublane_tile(dtype) -> int:
@@ -240,6 +252,10 @@ def vmem_buffers(
     d, hd, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
     h, k = cfg.num_heads, cfg.num_kv_heads
     qd, kvd = h * hd, k * hd
+    mla = cfg.is_mla
+    # Attention widths: a head's query / key, and its output (MLA: c + r, then v).
+    ahd = cfg.kv_lora_rank + hd if mla else hd
+    ohd = cfg.v_head_dim if mla else hd
     tv, ring = bs.vocab_cols, bs.weight_ring
     head_tile = (tv, d) if cfg.tie_word_embeddings else (d, tv)
     bufs = [
@@ -268,6 +284,10 @@ def vmem_buffers(
     if cfg.is_hybrid:
         lin = linear_buffers(cfg, batch=batch, np_=np_, weight_dtype=wdt)
         bufs += [buf for buf in lin if buf.kind == "input"]
+    if cfg.is_mla:
+        if cfg.q_lora_rank:
+            bufs.append(Buffer("q_a_norm", (L, cfg.q_lora_rank), f32, "input"))
+        bufs.append(Buffer("kv_a_norm", (L, cfg.kv_lora_rank), f32, "input"))
     if cfg.is_moe:
         bufs.append(Buffer("live", (m, 1), i32, "input"))
         if cfg.expert_bias:
@@ -278,10 +298,10 @@ def vmem_buffers(
         # scratch, in declaration order
         Buffer("x", (m, d), f32, "scratch"),  # residual stream
         Buffer("h", (m, d), wdt, "scratch"),  # normed residual, matmul input
-        Buffer("q", (h, m, hd), f32, "scratch"),  # head-major, RoPE applied
-        Buffer("k", (k, m, hd), f32, "scratch"),
-        Buffer("v", (k, m, hd), f32, "scratch"),
-        Buffer("attn", (h, m, hd), wdt, "scratch"),  # attention output, head-major
+        Buffer("q", (h, m, ahd), f32, "scratch"),  # head-major, RoPE applied
+        Buffer("k", (k, m, ahd), f32, "scratch"),
+        *([] if mla else [Buffer("v", (k, m, hd), f32, "scratch")]),
+        Buffer("attn", (h, m, ohd), wdt, "scratch"),  # attention output, head-major
         Buffer("qkv_buf", (ring, d, bs.proj_cols), wdt, "scratch"),
         Buffer("o_buf", (ring, bs.out_rows, d), wdt, "scratch"),
         Buffer("gate_buf", (bs.mlp_ring, d, bs.mlp_cols), wdt, "scratch"),
@@ -289,11 +309,23 @@ def vmem_buffers(
         Buffer("down_buf", (bs.mlp_ring, bs.mlp_cols, d), wdt, "scratch"),
         Buffer("head_buf", (ring, *head_tile), wdt, "scratch"),
         Buffer("logits_buf", (2, m, tv), f32, "scratch"),
-        Buffer("kbuf", (2, bs.kv_rows, hd), cdt, "scratch"),
-        Buffer("vbuf", (2, bs.kv_rows, hd), cdt, "scratch"),
-        Buffer("rmw_buf", (kv_write_rows(num_nodes, cdt), hd), cdt, "scratch"),
+        Buffer("kbuf", (2, bs.kv_rows, ahd), cdt, "scratch"),
+        *([] if mla else [Buffer("vbuf", (2, bs.kv_rows, hd), cdt, "scratch")]),
+        Buffer("rmw_buf", (kv_write_rows(num_nodes, cdt), ahd), cdt, "scratch"),
         Buffer("argmax", (m, 1), i32, "scratch"),
     ]
+    if mla:  # `megakernel.mla`: the two first products, latents, per-layer small weights
+        c, nope, vd = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
+        qa, kvw = mla_widths(cfg)
+        bufs += [
+            Buffer("qa", (m, qa), f32, "scratch"),
+            Buffer("kva", (m, kvw), f32, "scratch"),
+            Buffer("olat", (h, m, c), f32, "scratch"),
+            Buffer("wuk_buf", (h, c, nope), wdt, "scratch"),
+            Buffer("wuv_buf", (h, c, vd), wdt, "scratch"),
+        ]
+        if cfg.q_lora_rank:
+            bufs.append(Buffer("wqb_buf", (cfg.q_lora_rank, h * (nope + hd)), wdt, "scratch"))
     if cfg.attn_output_gate:
         bufs.append(Buffer("gate", (h, m, hd), f32, "scratch"))
     if cfg.is_hybrid:
@@ -406,6 +438,9 @@ def default_block_sizes(
     hd, kvd = cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     qd = cfg.num_heads * hd
     out_q = hd
+    if cfg.is_mla:  # tiles shared by the two first products; wo rows of v-wide heads
+        kvd = math.gcd(*mla_widths(cfg))
+        qd, out_q = cfg.num_heads * cfg.v_head_dim, cfg.v_head_dim
     if cfg.is_hybrid:  # tiles shared with the linear layers' projections (`hybrid`)
         kd, vd, _ = cfg.linear_dims
         kvd = math.gcd(kvd, kd, vd)
@@ -549,9 +584,12 @@ def weight_bytes_in_flight(cfg: ModelConfig, bs: BlockSizes, weight_dtype) -> di
     `weight_ring - 1` tiles ahead of it (`ops.stream`). `cfg` is one device's part."""
     d, item = cfg.hidden_size, np.dtype(weight_dtype).itemsize
     qkv_cols = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    o_rows = cfg.num_heads * cfg.head_dim
+    if cfg.is_mla:
+        qkv_cols, o_rows = sum(mla_widths(cfg)), cfg.num_heads * cfg.v_head_dim
     tile = {  # (elements per tile, tiles per stream)
         "qkv": (d * bs.proj_cols, qkv_cols // bs.proj_cols),
-        "o": (bs.out_rows * d, cfg.num_heads * cfg.head_dim // bs.out_rows),
+        "o": (bs.out_rows * d, o_rows // bs.out_rows),
         "mlp": (3 * d * bs.mlp_cols, mlp_tiles(cfg, bs)),  # gate, up, down
         "head": (d * min(bs.vocab_cols, cfg.vocab_size), -(-cfg.vocab_size // bs.vocab_cols)),
     }
