@@ -29,7 +29,7 @@ from specdec.checkpoint import load_model
 from specdec.draft.base import DraftBatch, Drafter
 from specdec.draft.model import ModelDrafter
 from specdec.draft.ngram import NgramDrafter
-from specdec.kernels import dot_library, linear_attention, sharding, stacks, transformer
+from specdec.kernels import dot_library, sharding, transformer
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.megakernel.reference import decide, tree_block
 from specdec.kernels.runner import ModelRunner, live_rows, row_bucket
@@ -358,18 +358,15 @@ class TargetWorker:
         self.kernel = resolve_kernel(kernel, cfg, n)
         self._verify = VERIFY_BACKENDS[self.kernel]
         run_cfg = cfg
-        if self.kernel == "megakernel" and n > 1:
+        if self.kernel == "megakernel":
             from specdec.kernels.megakernel import shard
 
-            # Once, at load: K/V heads repeated up to n and the vocabulary padded, so
-            # each device streams whole shards; the runner's forwards see the same model.
+            # Once, at load: the stacks a hybrid or mixed MoE model's kernel streams
+            # (read back by `linear_attention.per_layer` / `stacks.per_layer`), MLA's
+            # wkv_a padded to whole lanes, and over n devices K/V heads repeated up to n
+            # and the vocabulary padded, so each device streams whole shards; the
+            # runner's forwards see the same model.
             run_cfg, params = shard.prepare_params(cfg, params, n)
-        elif self.kernel == "megakernel" and cfg.is_hybrid:
-            # Once, at load: the stacks the kernel streams, which the runner's XLA
-            # forwards read too (`linear_attention.per_layer`).
-            params = linear_attention.stacked_layout(cfg, params)
-        elif self.kernel == "megakernel" and stacks.is_mixed_moe(cfg):
-            params = stacks.moe_stacked(cfg, params)  # read back by `stacks.per_layer`
         self.runner = ModelRunner(
             run_cfg,
             params,

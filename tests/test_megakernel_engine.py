@@ -125,3 +125,21 @@ def test_cli_megakernel_with_the_bundled_pairs_defaults(capsys):
     assert results["megakernel"]["kernel"] == "megakernel" and results["xla"]["kernel"] == "xla"
     assert results["megakernel"]["token_ids"] == results["xla"]["token_ids"]
     assert len(results["xla"]["token_ids"]) == 24
+
+
+@pytest.mark.slow
+def test_deepseek_target_on_the_megakernel_equals_xla(tmp_path, prompts):
+    """A DeepSeek-V3-class target (MLA over the latent cache, YaRN, routed + shared
+    experts after a dense layer) on the megakernel: greedy tree speculation with a
+    partly right draft gives the XLA target's tokens."""
+    from fixtures import noisy_copy, write_tokenizer
+    from test_deepseek_spec import deepseek_config
+
+    v = write_tokenizer(tmp_path / "ds")
+    target = write_model(tmp_path / "ds", deepseek_config(v), seed=1, scale=30.0)
+    draft = noisy_copy(target, tmp_path / "noisy", noise=0.3)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 8,
+            "max_depth": 4, "topk": 2}  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    xla = generate(target, prompts[:6], "xla", spec, greedy)
+    assert generate(target, prompts[:6], "megakernel", spec, greedy) == xla
