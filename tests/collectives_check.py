@@ -2,7 +2,10 @@
 virtual CPU devices in the TPU interpreter, against their plain-jnp statements
 (`collectives.jnp_all_reduce`, `collectives.jnp_argmax`). Prints one JSON line.
 
-    python tests/collectives_check.py --tp 4
+    python tests/collectives_check.py --tp 4 [--hidden 384]
+
+The default hidden width (256) splits into n chunks; 384 over 4 devices does not split
+into whole 128-lane chunks, so 3 devices own a chunk each (`collectives.chunking`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from specdec.kernels import sharding
 from specdec.kernels.megakernel import collectives
 
-M, D, VS = 16, 256, 128  # rows, hidden (D / n columns per chunk), vocabulary per device
+M, VS = 16, 128  # rows, vocabulary per device
 
 
 def kernel(part_ref, x_ref, logits_ref, x_out, arg_out, scat, gath, amx, sem, *, n):
@@ -40,8 +43,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, required=True)
     ap.add_argument("--mode", default="eager", choices=["eager", "on_wait"])
-    n = ap.parse_args().tp
-    mode = ap.parse_args().mode
+    ap.add_argument("--hidden", type=int, default=256)
+    args = ap.parse_args()
+    n, mode, D = args.tp, args.mode, args.hidden
+    chunk, owners = collectives.chunking(D, n)
     rng = np.random.default_rng(n)
     parts = rng.standard_normal((n, M, D)).astype(np.float32)
     x = rng.standard_normal((M, D)).astype(np.float32)
@@ -60,8 +65,8 @@ def main() -> None:
         in_specs=[vmem] * 3,
         out_specs=(vmem, vmem),
         scratch_shapes=[
-            pltpu.VMEM((n, M, D // n), jnp.float32),
-            pltpu.VMEM((n, M, D // n), jnp.float32),
+            pltpu.VMEM((n, M, chunk), jnp.float32),
+            pltpu.VMEM((owners, M, chunk), jnp.float32),
             pltpu.VMEM((n, M, 2 * collectives.HALF), jnp.float32),
             pltpu.SemaphoreType.DMA((6, n)),
         ],
@@ -93,6 +98,7 @@ def main() -> None:
         "x_err": float(np.max(np.abs(x_all[0] - want_x))),
         "arg_equal": bool(all(np.array_equal(arg_all[i], want_arg) for i in range(n))),
         "tie_rows": [int(want_arg[0]), int(want_arg[1])],
+        "owners": owners,
     }))  # fmt: skip
 
 

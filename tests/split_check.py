@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from specdec.kernels import sharding
-from specdec.kernels.megakernel import BlockSizes, kernel, reference, shard
+from specdec.kernels.megakernel import BlockSizes, collectives, kernel, reference, shard
 from specdec.verify.batch import SamplingBatch
 from specdec.verify.tree import ChildSampling
 
@@ -36,7 +36,10 @@ def case(model: str):
     if model == "deepseek-mla":
         import test_megakernel_mla as t
 
-        cfg, params = t.mla_model(vocab_size=300)
+        # With 16-column "lanes" (`main`), hidden 48 is not 4 whole-lane chunks: 3
+        # devices own the all-reduce's chunks (`collectives.chunking`), as DeepSeek-V3's
+        # 7168 columns over 16 devices with TPU's 128-column lanes.
+        cfg, params = t.mla_model(vocab_size=300, hidden_size=48)
         # The dense first layer's 96 columns and the shared expert's 32 split 4 ways.
         blocks = dataclasses.replace(t.BLOCKS, mlp_cols=8)
         return cfg, params, t.mla_cache(cfg, jnp.float32), t.batch("tree"), blocks
@@ -57,7 +60,12 @@ def main() -> None:
     ap.add_argument("--tp", type=int, required=True)
     models = ["hybrid", "qwen3-moe", "deepseek-moe", "deepseek-mla"]
     ap.add_argument("--model", required=True, choices=models)
+    # The all-reduce's chunk quantum (128 on TPU). The interpreter stalls on this
+    # 2-core host once the residual is 128 columns wide over 4 devices, so tests reach
+    # the fewer-owners path (`collectives.chunking`) with narrower "lanes" instead.
+    ap.add_argument("--lanes", type=int, default=collectives.LANES)
     args = ap.parse_args()
+    collectives.LANES = args.lanes
     n = args.tp
     cfg, params, cache, (roots, tokens, parents, slots, lens), blocks = case(args.model)
     b, nodes = tokens.shape
@@ -97,6 +105,7 @@ def main() -> None:
             max_err(getattr(out.lin, f), getattr(ref.lin, f), (slice(None), valid))
             for f in ("x", "k", "u", "g")
         )
+    found["owners"] = collectives.chunking(cfg.hidden_size, n)[1]
     if cfg.is_mla:  # every device wrote the same latents into its copy of the cache
         found["cache_err"] = max(
             max_err(out.cache.k[:, slot, :, length : length + nodes + 1],

@@ -45,20 +45,25 @@ def tp_check(*args: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "n,mode", [("2", "eager"), pytest.param("8", "on_wait", marks=pytest.mark.slow),
-               pytest.param("4", "eager", marks=pytest.mark.slow)],
+    "n,mode,hidden,owners",
+    [("2", "eager", "256", 2), pytest.param("8", "on_wait", "256", 2, marks=pytest.mark.slow),
+     pytest.param("4", "eager", "192", 4, marks=pytest.mark.slow),
+     ("4", "eager", "384", 3)],
 )  # fmt: skip
-def test_collectives_match_their_jnp_statements(n, mode):
+def test_collectives_match_their_jnp_statements(n, mode, hidden, owners):
     """The all-reduce and the (max, argmax) exchange alone against `jnp_all_reduce` /
     `jnp_argmax`: the residual bit-identical on every device (and to the jnp sum), ties
     to the lowest id across devices (a row where every id ties; a row whose max sits on
-    devices 1.. only)."""
+    devices 1.. only). Whole 128-lane chunks where they exist (`collectives.chunking`):
+    256 columns over 8 devices are 2 chunks, 384 over 4 are 3 (the other devices only
+    send and receive); 192 (not whole lanes, as in interpret-mode models) splits 4 ways."""
     proc = subprocess.run(
-        [sys.executable, "collectives_check.py", "--tp", n, "--mode", mode], cwd=TESTS,
-        env=ENV, capture_output=True, text=True, timeout=600,
+        [sys.executable, "collectives_check.py", "--tp", n, "--mode", mode, "--hidden", hidden],
+        cwd=TESTS, env=ENV, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["owners"] == owners, found
     assert not found["races"] and found["x_same_on_all"] and found["x_err"] == 0.0, found
     assert found["arg_equal"] and found["tie_rows"] == [0, 133], found
 
@@ -130,8 +135,11 @@ def test_check_shardable_names_what_does_not_divide():
         shard.check_shardable(tiny_config(num_heads=6, num_kv_heads=3), 2)
     with pytest.raises(ValueError, match=r"intermediate_size \(66\)"):
         shard.check_shardable(tiny_config(intermediate_size=66), 4)
-    with pytest.raises(ValueError, match="hidden_size / 2 = 16 columns, which must be a multiple"):
+    with pytest.raises(ValueError, match=r"hidden_size \(32\) into chunks of whole 128"):
         shard.check_shardable(cfg, 2, tpu=True)
+    with pytest.raises(ValueError, match=r"hidden_size \(34\) 4 ways, or into chunks of 128"):
+        shard.check_shardable(tiny_config(hidden_size=34), 4)
+    shard.check_shardable(tiny_config(hidden_size=384, num_heads=8), 8, tpu=True)  # 3 chunks
     moe = tiny_config(architecture=Architecture.QWEN3_MOE, num_experts=6,
                       num_experts_per_tok=2, moe_intermediate_size=32, qk_norm=True)  # fmt: skip
     shard.check_shardable(moe, 2)  # whole experts per device

@@ -11,6 +11,12 @@ All-reduce of an f32 [M, D] partial sum (two per layer): two one-shot phases.
    i. Device j adds its inbox in device order 0, 1, ..., n - 1.
 2. All-gather: device j sends its summed chunk to every other device's `gath[j]`.
 
+Chunks are whole vector lanes on TPU (DMA slices of a [M, D] buffer start and end
+on 128-column boundaries). When D / n is not (DeepSeek-V3's 7168 over 16 devices),
+the columns are cut into `chunking(D, n)` = (w, c) chunks of w = D / c columns, c
+the largest divisor of D / 128 not above n: devices 0 .. c - 1 own one chunk each
+and the others only send and receive (7168 over 16: 14 owners of 512 columns).
+
 Why this shape. Bytes: each device sends 2 (n - 1) / n * M * D * 4, the least any
 all-reduce can (a ring sends the same), against (n - 1) * M * D * 4 for a
 one-shot all-to-all of whole partials, and its inboxes hold 2 * M * D * 4 bytes of
@@ -44,6 +50,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+LANES = 128
 AXIS = "tp"  # the mesh axis the kernel is split over (`kernels.sharding.AXIS`)
 HALF = 64  # lanes of the packed (max, argmax) tile that hold the max
 
@@ -73,49 +80,90 @@ def barrier(me, n: int) -> None:
     pl.semaphore_wait(sem, n - 1)
 
 
-def _exchange(src, inbox, sem, send_row, recv_row, me, n, targets_chunk=None) -> None:
+def _when(cond, fn) -> None:
+    """fn() where the traced `cond` holds; always when cond is None."""
+    if cond is None:
+        fn()
+    else:
+        pl.when(cond)(fn)
+
+
+def _exchange(src, inbox, sem, send_row, recv_row, me, n, targets_chunk=None,
+              sends_to=None, hears_from=None) -> None:  # fmt: skip
     """Sends `src` (or chunk j of it, for target j) to inbox[me] of every other device,
-    then waits for the n - 1 inbox entries from the others and for its own sends."""
+    then waits for the n - 1 inbox entries from the others and for its own sends.
+    `sends_to(j)` / `hears_from(s)` (traced bools) narrow both to some devices: every
+    device must agree, s sending to me exactly when me hears from s."""
+
+    # A gather inbox holds the owners' entries only: a non-owner, which sends nothing
+    # into it, names the last entry (the descriptors need a slice of the right size).
+    def entry(i):
+        return inbox.at[i if inbox.shape[0] == n else jnp.minimum(i, inbox.shape[0] - 1)]
+
+    own = entry(me)
     sends = []
     for k in range(1, n):
         j = _peer(me, k, n)
         piece = src if targets_chunk is None else targets_chunk(j)
         cp = pltpu.make_async_remote_copy(
-            piece, inbox.at[me], sem.at[send_row, k], sem.at[recv_row, me], **_device(j)
+            piece, own, sem.at[send_row, k], sem.at[recv_row, me], **_device(j)
         )
-        cp.start()
-        sends.append(cp)
+        _when(None if sends_to is None else sends_to(j), cp.start)
+        sends.append((j, cp))
     for k in range(1, n):
         if DROP_RECV_WAIT and k == 1:
             continue
         s = _peer(me, n - k, n)  # device s wrote inbox[s]; its size is inbox[me]'s
         recv = pltpu.make_async_remote_copy(
-            inbox.at[me], inbox.at[s], sem.at[send_row, k], sem.at[recv_row, s], **_device(s)
+            own, entry(s), sem.at[send_row, k], sem.at[recv_row, s], **_device(s)
         )
-        recv.wait_recv()
-    for cp in sends:
-        cp.wait_send()
+        _when(None if hears_from is None else hears_from(s), recv.wait_recv)
+    for j, cp in sends:
+        _when(None if sends_to is None else sends_to(j), cp.wait_send)
+
+
+def chunking(d: int, n: int) -> tuple[int, int]:
+    """(columns per chunk, owners) of the all-reduce of [M, d] over n devices: n
+    chunks of d / n when those are whole lanes (or d is not, as in interpret-mode
+    test models), else the module docstring's fewer, wider chunks."""
+    if d % n == 0 and ((d // n) % LANES == 0 or d % LANES):
+        return d // n, n
+    if d % LANES:
+        raise ValueError(f"hidden_size {d} splits neither {n} ways nor into whole lanes.")
+    lanes = d // LANES
+    owners = max(c for c in range(1, n + 1) if lanes % c == 0)
+    return d // owners, owners
 
 
 def all_reduce_add(part, x, scat, gath, sem, me, n: int) -> None:
-    """x += sum over devices of `part` (f32 [M, D] refs), the module's two phases."""
-    chunk = part.shape[1] // n
+    """x += sum over devices of `part` (f32 [M, D] refs), the module's two phases.
+    `scat` is [n, M, w] and `gath` [owners, M, w] (`chunking`)."""
+    chunk, owners = chunking(part.shape[1], n)
+    owns = None if owners == n else (lambda j: j < owners)
 
     def cols(j):
         start = j * chunk
-        return pl.ds(pl.multiple_of(start, 128) if chunk % 128 == 0 else start, chunk)
+        return pl.ds(pl.multiple_of(start, LANES) if chunk % LANES == 0 else start, chunk)
 
     _exchange(
         None, scat, sem, SCATTER_SEND, SCATTER_RECV, me, n,
-        targets_chunk=lambda j: part.at[:, cols(j)],
+        targets_chunk=lambda j: part.at[:, cols(j)], sends_to=owns,
+        hears_from=None if owns is None else (lambda s: me < owners),
     )  # fmt: skip
-    scat[me] = part[:, cols(me)]
-    total = scat[0]
-    for s in range(1, n):  # fixed order: the same sum whichever device computes it
-        total = total + scat[s]
-    gath[me] = total
-    _exchange(gath.at[me], gath, sem, GATHER_SEND, GATHER_RECV, me, n)
-    for s in range(n):
+
+    def reduce_mine():
+        scat[me] = part[:, cols(me)]
+        total = scat[0]
+        for s in range(1, n):  # fixed order: the same sum whichever device computes it
+            total = total + scat[s]
+        gath[me] = total
+
+    _when(None if owns is None else me < owners, reduce_mine)
+    mine = gath.at[jnp.minimum(me, owners - 1)]  # a non-owner's sends are all skipped
+    _exchange(mine, gath, sem, GATHER_SEND, GATHER_RECV, me, n,
+              sends_to=None if owns is None else (lambda j: me < owners),
+              hears_from=owns)  # fmt: skip
+    for s in range(owners):
         sl = pl.ds(s * chunk, chunk)
         x[:, sl] = x[:, sl] + gath[s]
 

@@ -10,7 +10,8 @@ Each of the n devices runs the same kernel on its shard of every layer
     wk, wv, bk, bv, KV cache      K / n K/V heads                        K % n == 0 *
     w_gate, w_up / w_down         F / n intermediate columns / rows      F % n == 0
     LM head (lm_head or embed)    Vp / n vocabulary columns (rows)       Vp = V padded
-    the residual stream [M, D]    all of it (the all-reduce's result)    D % n == 0
+    the residual stream [M, D]    all of it (the all-reduce's result)    D % n == 0 or
+                                                                         D % 128 == 0
     norms, RoPE, masks, tree      all of it
 
 *A model with fewer K/V heads than devices (n % K == 0) first gets its K/V heads
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 from specdec.kernels import linear_attention as la
 from specdec.kernels import stacks
 from specdec.kernels.config import ModelConfig
+from specdec.kernels.megakernel import collectives
 from specdec.kernels.megakernel.tuning import LANES, round_up
 from specdec.kernels.transformer import Params
 
@@ -91,7 +93,7 @@ def check_shardable(cfg: ModelConfig, n: int, *, tpu: bool = False) -> None:
         moe.check(cfg, n)
     if n == 1:
         return
-    rules = [("num_heads", cfg.num_heads), ("hidden_size", cfg.hidden_size)]
+    rules = [("num_heads", cfg.num_heads)]
     if not cfg.is_moe or cfg.first_k_dense_replace:  # experts split whole (`moe.check`)
         rules.append(("intermediate_size", cfg.intermediate_size))
     if cfg.shared_intermediate:
@@ -108,10 +110,18 @@ def check_shardable(cfg: ModelConfig, n: int, *, tpu: bool = False) -> None:
             f"The megakernel on {n} devices needs num_kv_heads ({k}) to divide by {n} or to "
             f"divide {n} (heads then replicated); use another tensor_parallel_size or kernel='xla'."
         )
-    if tpu and (cfg.hidden_size // n) % LANES:
+    d = cfg.hidden_size
+    if tpu and (d % n or (d // n) % LANES) and d % LANES:
         raise ValueError(
-            f"On TPU each device reduces hidden_size / {n} = {cfg.hidden_size // n} columns, "
-            f"which must be a multiple of {LANES}; use fewer devices or kernel='xla'."
+            f"On TPU the all-reduce cuts hidden_size ({d}) into chunks of whole "
+            f"{LANES}-column lanes, {n} ways or fewer; {d} is not a multiple of {LANES}. "
+            "Use kernel='xla'."
+        )
+    if d % n and d % LANES:
+        raise ValueError(
+            f"The megakernel on {n} devices splits hidden_size ({d}) {n} ways, or into "
+            f"chunks of {LANES} columns; it does neither. Use tensor_parallel_size dividing "
+            f"{d}, or kernel='xla'."
         )
 
 
@@ -206,9 +216,13 @@ def local_config(cfg: ModelConfig, n: int, head_cols: int) -> ModelConfig:
 
 
 def allreduce_bytes_sent(rows: int, hidden: int, n: int) -> int:
-    """Bytes one device sends for one f32 all-reduce of [rows, hidden] (two one-shot
-    phases, each sending n - 1 chunks of hidden / n columns)."""
-    return 0 if n == 1 else 2 * (n - 1) * rows * (hidden // n) * 4
+    """Bytes the busiest device sends for one f32 all-reduce of [rows, hidden]: an
+    owner of a chunk (`collectives.chunking`) sends its own to the other owners, then
+    its sum to all n - 1 others (2 (n - 1) chunks of hidden / n columns when all own)."""
+    if n == 1:
+        return 0
+    chunk, owners = collectives.chunking(hidden, n)
+    return (owners - 1 + n - 1) * rows * chunk * 4
 
 
 def step_bytes_sent(cfg: ModelConfig, rows: int, n: int) -> int:

@@ -21,6 +21,7 @@ import math
 import numpy as np
 
 from specdec.kernels.config import ModelConfig
+from specdec.kernels.megakernel import collectives
 
 MIB = 1024 * 1024
 LANES = 128  # TPU vector lane count: minor dims of streamed tiles are multiples of it
@@ -338,11 +339,11 @@ def vmem_buffers(
             Buffer("used_v", (1, e), i32, "scratch"),
         ]
     if tp > 1:
-        chunk = d // tp
+        chunk, owners = collectives.chunking(d, tp)
         bufs += [
             Buffer("red", (m, d), f32, "scratch"),  # this device's partial sum
             Buffer("scat", (tp, m, chunk), f32, "scratch"),  # reduce-scatter inbox
-            Buffer("gath", (tp, m, chunk), f32, "scratch"),  # all-gather inbox
+            Buffer("gath", (owners, m, chunk), f32, "scratch"),  # all-gather inbox
             Buffer("amx", (tp, m, LANES), f32, "scratch"),  # (max, argmax) per device
         ]
     return bufs
