@@ -50,9 +50,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import xla_bridge
 
-from specdec.kernels import linear_attention, sharding, transformer
+from specdec.kernels import linear_attention, sharding, stacks, transformer
 from specdec.kernels.config import Architecture, ModelConfig, RopeScaling
-from specdec.kernels.megakernel import kernel, shard, tuning
+from specdec.kernels.megakernel import kernel, mla, shard, tuning
 from specdec.kernels.megakernel.tuning import MIB, BlockSizes
 from specdec.verify.batch import SamplingBatch
 from specdec.verify.tree import ChildSampling
@@ -100,6 +100,22 @@ PRESETS = {
         layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 16,
         linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    ),
+    # The seed's model class: DeepSeek-V3 (671B; MLA over a 512 + 64 latent cache, 256
+    # routed experts of 2048 in 8 groups, top 8 of 4 groups, a shared expert, 3 dense
+    # layers, YaRN x40). Its bfloat16 weights need 16 devices of TPU7x (tpu7x:2x2x2,
+    # --tp 16): `specdec aot` refuses fewer, naming the bytes.
+    "deepseek-v3": ModelConfig(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_layers=61,
+        num_heads=128, num_kv_heads=1, head_dim=64, architecture=Architecture.DEEPSEEK_V3,
+        kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, v_head_dim=128,
+        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
+        norm_topk_prob=True, scoring_func="sigmoid", expert_bias=True, n_group=8,
+        topk_group=4, routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=3,
+        rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=163840,
+        rope_scaling=RopeScaling(rope_type="yarn", factor=40.0,
+                                 original_max_position_embeddings=4096, mscale=1.0,
+                                 mscale_all_dim=1.0),
     ),
 }  # fmt: skip
 
@@ -163,13 +179,19 @@ def _split_shapes(cfg: ModelConfig, tp: int, dtype) -> tuple[dict, dict]:
     name, axis = shard.head_leaf(run)
     shapes[name] = tuple(width if i == axis else s for i, s in enumerate(shapes[name]))
     structs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=_is_shape)
-    if not run.is_hybrid:
+    if not run.is_hybrid:  # as the megakernel holds it (`shard.prepare_params`)
+        if stacks.is_mixed_moe(run):
+            structs = jax.eval_shape(functools.partial(stacks.moe_stacked, run), structs)
+        if run.is_mla:
+            structs = jax.eval_shape(functools.partial(mla.pad_kv, run), structs)
+        shapes = jax.tree.map(lambda x: tuple(x.shape), structs)
         specs = sharding.param_specs(run, structs, tp)
         if run.is_moe and tp > 1:  # the megakernel splits whole experts (`megakernel.moe`)
             from specdec.kernels.megakernel import moe
 
-            for name, axis in moe.SPLIT.items():
-                specs["layers"][name] = sharding._spec(len(shapes["layers"][name]), axis)
+            for name, axis in (moe.SPLIT | moe.SHARED_SPLIT).items():
+                if name in shapes["layers"]:
+                    specs["layers"][name] = sharding._spec(len(shapes["layers"][name]), axis)
         return shapes, specs
     # A hybrid target as the megakernel holds it (`linear_attention.stacked_layout`).
     from specdec.kernels.megakernel import hybrid
@@ -216,11 +238,18 @@ def kv_read_bytes(cfg: ModelConfig, dtype, *, batch: int, context: int, tp: int 
     hybrid target's attention layers only, plus its linear layers' state (f32
     recurrent state and the convolution window, per sequence, whatever the context)."""
     run, _ = shard.split_config(cfg, tp)
-    per_pos = 2 * run.num_cache_layers * run.num_kv_heads * run.head_dim
-    kv = batch * context * per_pos * np.dtype(dtype).itemsize // tp
+    kv = batch * context * _kv_per_position(run, dtype, tp)
     if run.is_hybrid:
         kv += batch * linear_attention.bytes_per_slot(run, dtype) // tp
     return kv
+
+
+def _kv_per_position(run: ModelConfig, dtype, tp: int) -> int:
+    """Cache bytes per position one of `tp` devices holds: its K/V heads' share, or
+    (MLA) the whole latent entry, which every device keeps (`megakernel.mla`)."""
+    per_pos = run.num_cache_layers * run.num_kv_heads * sum(run.cache_dims)
+    per_pos *= np.dtype(dtype).itemsize
+    return per_pos if run.is_mla else per_pos // tp
 
 
 def resident_bytes(
@@ -324,7 +353,8 @@ def compile_verify(
 
     shapes, specs = _split_shapes(cfg, tp, wdtype)
     params = jax.tree.map(lambda s, spec: sds(s, wdtype, spec), shapes, specs, is_leaf=_is_shape)
-    cache_shape = (run.num_cache_layers, batch, run.num_kv_heads, max_len, run.head_dim)
+    cache_shape = (run.num_cache_layers, batch, run.num_kv_heads, max_len)
+    k_dim, v_dim = run.cache_dims
     cspec = sharding.cache_spec(run, tp)
     lin = None
     if run.is_hybrid:  # the linear layers' state: recurrent state split by value heads
@@ -337,7 +367,9 @@ def compile_verify(
             rec=sds(state.rec.shape, state.rec.dtype, rec_spec),
         )
     cache = transformer.KVCache(
-        k=sds(cache_shape, wdtype, cspec), v=sds(cache_shape, wdtype, cspec), lin=lin
+        k=sds((*cache_shape, k_dim), wdtype, cspec),
+        v=sds((*cache_shape, v_dim), wdtype, cspec),
+        lin=lin,
     )
     i32, f32 = jnp.int32, jnp.float32
     tree = [sds((batch,), i32), sds((batch, tree_nodes), i32), sds((batch, tree_nodes), i32)]
@@ -380,8 +412,7 @@ def compile_verify(
     worst = weight_read_bytes(cfg, wdtype, batch * np_, tp=tp,
                               experts=union[1] if cfg.is_moe else None)  # fmt: skip
     kv = kv_read_bytes(cfg, wdtype, batch=batch, context=context, tp=tp)
-    per_pos = 2 * run.num_cache_layers * run.num_kv_heads * run.head_dim * wdtype.itemsize
-    writes = batch * (tree_nodes + 1) * per_pos // tp  # the block's K/V
+    writes = batch * (tree_nodes + 1) * _kv_per_position(run, wdtype, tp)  # the block's K/V
     writes += batch * np_ * width * 4 // tp
     # One device alone may use the whole chip's bandwidth (the single-device report's
     # ceiling); devices that split the model share it.

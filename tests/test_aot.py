@@ -248,7 +248,8 @@ def test_tensor_parallel_bad_splits_are_refused(capsys):
     assert "--tp 16 needs 16 devices; tpu7x:2x2x1 has 8" in capsys.readouterr().err
     assert aot.main(["--config", "demo-target", "--tp", "3"]) == 2
     assert "splits num_heads (8) 3 ways" in capsys.readouterr().err
-    # 512 / 8 = 64 columns per device: not whole 128-lane vectors on TPU.
+    # 4 K/V heads of 64 repeated to 8: 64-column projection tiles, not whole 128-lane
+    # vectors on TPU.
     assert aot.main(["--config", "demo-target", "--tp", "8"]) == 2
     assert "must be a multiple of 128" in capsys.readouterr().err
 
@@ -267,3 +268,29 @@ def test_moe_step_reads_the_routed_union(capsys):
     assert one_row < 0.15 * aot.weight_read_bytes(cfg, bf16, 16)  # 8 of 128 experts
     assert aot.main(["--config", "qwen3-30b-a3b", "--tree-nodes", "8", "--context", "1024"]) == 0
     assert "experts:      the step's 9 rows route to" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_deepseek_v3_compiles_split_16_ways(capsys):
+    """DeepSeek-V3 (MLA, 256 routed experts, dense first layers) through libtpu's
+    Mosaic on 16 TPU7x devices, the fewest its bfloat16 weights fit: 128 heads and 256
+    experts split 16 ways, the latent path and cache on every device, and hidden 7168's
+    all-reduce in 14 chunks of 512 columns (`collectives.chunking`)."""
+    from specdec.kernels.megakernel import collectives, shard
+
+    cfg = aot.PRESETS["deepseek-v3"]
+    assert collectives.chunking(cfg.hidden_size, 16) == (512, 14)
+    rep = aot.compile_verify(cfg, topology="tpu7x:2x2x2", tree_nodes=64, context=4096, tp=16,
+                             config_name="deepseek-v3")  # fmt: skip
+    assert rep.compiled and rep.fits, rep.error
+    assert rep.resident_bytes < rep.hbm_capacity_bytes
+    assert 200 < rep.experts_expected < rep.experts_worst == 256  # 65 rows x 8 > 256
+    assert rep.weight_bytes < rep.weight_bytes_worst
+    run, _ = shard.split_config(cfg, 16)
+    bf16 = np.dtype("bfloat16")
+    assert rep.bytes_sent == shard.step_bytes_sent(run, tuning.block_rows(64, bf16), 16)
+    # The latent cache is whole on every device: (512 + 64) bf16 values per position
+    # and layer, not divided by 16.
+    assert aot.kv_read_bytes(cfg, bf16, batch=1, context=4096, tp=16) == 4096 * 61 * 576 * 2
+    assert aot.main(["--config", "deepseek-v3", "--topology", "tpu7x:2x2x1", "--tp", "8"]) == 2
+    assert "needs 158.2 GiB on each of 8 devices" in capsys.readouterr().err

@@ -319,8 +319,9 @@ def _verify_call(
         "anc_mask": anc.astype(i32),
         "tree_cols": tree_cols.astype(i32),
         "tree_rows": tree_rows.astype(i32),
-        "attn_norm": lp["attn_norm"].astype(f32),
-        "mlp_norm": lp["mlp_norm"].astype(f32),
+        # [L, 1, D]: one whole-tile row per layer, DMA'd as the layer starts (`_kernel`).
+        "attn_norm": lp["attn_norm"].astype(f32).reshape(cfg.num_layers, 1, d),
+        "mlp_norm": lp["mlp_norm"].astype(f32).reshape(cfg.num_layers, 1, d),
         "final_norm": params["final_norm"].astype(f32).reshape(1, d),
     }
     # Split over devices (`shard` module docstring): name -> (array, axis cut).
@@ -415,12 +416,13 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
     k_cache = caches[0]
     wdtype, cdtype = ins["wo"].dtype, k_cache.dtype
     e_local = ins["e_gate"].shape[1] if local.is_moe else 0
-    hbm_names = ("wq", "wk", "wv", "wo", "wg", "w_gate", "w_up", "w_down", "head",
+    hbm_names = ("x0", "attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "wg", "w_gate", "w_up",
+                 "w_down", "head",
                  *hybrid.LINEAR_HBM, "rec", "win_q", "win_k", "win_v", *moe.SPLIT,
                  *moe.SHARED_SPLIT, *mla.SPLIT)  # fmt: skip
     hbm_in = {name: ins.pop(name) for name in hbm_names if name in ins}
     vmem_in = ins
-    L, m = local.num_layers, ins["x0"].shape[0]
+    L, m = local.num_layers, hbm_in["x0"].shape[0]
     for name in ("bq", "bk", "bv"):  # one sublane row per tile: the kernel picks row j
         if name in vmem_in:
             vmem_in[name] = vmem_in[name].reshape(L, -1, bs.proj_cols)
@@ -447,8 +449,10 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
         pltpu.SemaphoreType.DMA((2,)),  # logits out
         pltpu.SemaphoreType.DMA((2, 2)),  # KV tiles: k / v x slot
         pltpu.SemaphoreType.DMA((2,)),  # KV writes: k / v
+        pltpu.SemaphoreType.DMA((2, 2)),  # norm weights: attention / MLP x slot
     ]
-    sem_names = ["qkv_sem", "o_sem", "mlp_sem", "head_sem", "out_sem", "kv_sem", "wr_sem"]
+    sem_names = ["qkv_sem", "o_sem", "mlp_sem", "head_sem", "out_sem", "kv_sem", "wr_sem",
+                 "norm_sem"]  # fmt: skip
     if tp > 1:
         sems.append(pltpu.SemaphoreType.DMA((6, tp)))  # collectives: (send, recv) x 3 phases
         sem_names.append("coll_sem")
@@ -644,8 +648,23 @@ def _kernel(*refs, p, names):
         start_update()
         ops.stream(no, 0, o_copies(ai), o_tile, ring=ring, nxt=open_mlp)
 
+    def norm_copies(li, slot):  # layer li's two norm rows into norms[2 slot], [2 slot + 1]
+        return (
+            pltpu.make_async_copy(r.attn_norm_hbm.at[li], r.norms_ref.at[2 * slot],
+                                  r.norm_sem.at[0, slot]),
+            pltpu.make_async_copy(r.mlp_norm_hbm.at[li], r.norms_ref.at[2 * slot + 1],
+                                  r.norm_sem.at[1, slot]),
+        )  # fmt: skip
+
     def layer(li, carry):
-        r.h_ref[...] = ops.rms(r.x_ref[...], r.attn_norm_ref[pl.ds(li, 1), :], eps).astype(p.wdtype)
+        nslot = ops.rem(li, 2)
+        ops.wait(norm_copies(li, nslot))
+
+        @pl.when(li + 1 < p.L)  # the next layer's, into the slot layer li - 1 used
+        def _():
+            ops.start(norm_copies(li + 1, 1 - nslot))
+
+        r.h_ref[...] = ops.rms(r.x_ref[...], r.norms_ref[2 * nslot], eps).astype(p.wdtype)
         # The MLP's first tiles start during the attention's output projection: a dense
         # MLP's, or a MoE layer's shared expert's (its routed experts wait for the
         # routing: `moe`), whose router weights start now.
@@ -692,7 +711,7 @@ def _kernel(*refs, p, names):
         else:
             attention_mixer(li, li, open_mlp)
         reduce_into_x()  # the first MLP tiles are already in flight
-        r.h_ref[...] = ops.rms(r.x_ref[...], r.mlp_norm_ref[pl.ds(li, 1), :], eps).astype(p.wdtype)
+        r.h_ref[...] = ops.rms(r.x_ref[...], r.norms_ref[2 * nslot + 1], eps).astype(p.wdtype)
 
         def next_layer_or_head(k):
             @pl.when(li + 1 < p.L)
@@ -728,7 +747,10 @@ def _kernel(*refs, p, names):
     if v_tail:  # a one-tile stream after the full-width ones: its tile 0 is tile nv
         tail = lambda k, slot: head_copies(v_tail)(k + nv, slot)  # noqa: E731
         open_tail = ops.opener(tail, nv, 1, ring, ring - 1)
-    r.x_ref[...] = r.x0_ref[...]
+    x0 = pltpu.make_async_copy(r.x0_hbm, r.x_ref, r.wr_sem.at[0])  # no KV write yet
+    x0.start()
+    ops.start(norm_copies(0, 0))
+    x0.wait()
     for k in range(ring - 1):
         open_q(0, ring - 1)(k)
     if p.tp > 1:  # no remote DMA into a device that has not entered the kernel

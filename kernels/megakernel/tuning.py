@@ -260,7 +260,6 @@ def vmem_buffers(
     tv, ring = bs.vocab_cols, bs.weight_ring
     head_tile = (tv, d) if cfg.tie_word_embeddings else (d, tv)
     bufs = [
-        Buffer("x0", (m, d), f32, "input"),
         Buffer("cos", (m, bs.proj_cols), f32, "input"),
         Buffer("sin", (m, bs.proj_cols), f32, "input"),
         Buffer("qpos", (m, 1), i32, "input"),
@@ -268,8 +267,6 @@ def vmem_buffers(
         Buffer("anc_mask", (batch, np_, np_), i32, "input"),
         Buffer("tree_cols", (m, 4), i32, "input"),
         Buffer("tree_rows", (batch, 2, np_), i32, "input"),
-        Buffer("attn_norm", (L, d), f32, "input"),
-        Buffer("mlp_norm", (L, d), f32, "input"),
         Buffer("final_norm", (1, d), f32, "input"),
     ]
     if cfg.attention_bias:
@@ -314,6 +311,7 @@ def vmem_buffers(
         *([] if mla else [Buffer("vbuf", (2, bs.kv_rows, hd), cdt, "scratch")]),
         Buffer("rmw_buf", (kv_write_rows(num_nodes, cdt), ahd), cdt, "scratch"),
         Buffer("argmax", (m, 1), i32, "scratch"),
+        Buffer("norms", (4, 1, d), f32, "scratch"),  # two layers' (attention, MLP) norms
     ]
     if mla:  # `megakernel.mla`: the two first products, latents, per-layer small weights
         c, nope, vd = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
