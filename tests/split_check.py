@@ -23,7 +23,7 @@ from specdec.verify.batch import SamplingBatch
 from specdec.verify.tree import ChildSampling
 
 
-def case(model: str):
+def case(model: str, shape: str = "tree"):
     """(cfg, params, cache, batch, block sizes) of one test model."""
     if model == "hybrid":
         import test_megakernel_hybrid as t
@@ -32,7 +32,7 @@ def case(model: str):
         cfg, params = t.hybrid_model(linear_num_key_heads=4, linear_num_value_heads=8,
                                      vocab_size=300)  # fmt: skip
         blocks = BlockSizes(proj_cols=16, out_rows=16, mlp_cols=32, vocab_cols=96, kv_rows=16)
-        return cfg, params, t.hybrid_cache(cfg, jnp.float32), t.batch("tree"), blocks
+        return cfg, params, t.hybrid_cache(cfg, jnp.float32), t.batch(shape), blocks
     if model == "deepseek-mla":
         import test_megakernel_mla as t
 
@@ -42,13 +42,13 @@ def case(model: str):
         cfg, params = t.mla_model(vocab_size=300, hidden_size=48)
         # The dense first layer's 96 columns and the shared expert's 32 split 4 ways.
         blocks = dataclasses.replace(t.BLOCKS, mlp_cols=8)
-        return cfg, params, t.mla_cache(cfg, jnp.float32), t.batch("tree"), blocks
+        return cfg, params, t.mla_cache(cfg, jnp.float32), t.batch(shape), blocks
     import test_megakernel_moe as t
 
     cfg, params = t.moe_model(routing=model.split("-")[0], vocab_size=300)
     # A shared expert (32 wide) splits n ways: its tiles must divide 32 / n.
     blocks = dataclasses.replace(t.BLOCKS, mlp_cols=8) if cfg.shared_intermediate else t.BLOCKS
-    return cfg, params, t.moe_cache(cfg, jnp.float32), t.batch("tree"), blocks
+    return cfg, params, t.moe_cache(cfg, jnp.float32), t.batch(shape), blocks
 
 
 def max_err(a, b, rows) -> float:
@@ -64,10 +64,11 @@ def main() -> None:
     # 2-core host once the residual is 128 columns wide over 4 devices, so tests reach
     # the fewer-owners path (`collectives.chunking`) with narrower "lanes" instead.
     ap.add_argument("--lanes", type=int, default=collectives.LANES)
+    ap.add_argument("--shape", default="tree", choices=["tree", "chain"])
     args = ap.parse_args()
     collectives.LANES = args.lanes
     n = args.tp
-    cfg, params, cache, (roots, tokens, parents, slots, lens), blocks = case(args.model)
+    cfg, params, cache, (roots, tokens, parents, slots, lens), blocks = case(args.model, args.shape)
     b, nodes = tokens.shape
     sampling, uniforms = SamplingBatch.make_dummy(b), np.zeros((b, nodes + 1), np.float32)
     rest = (roots, tokens, parents, None, slots, lens, sampling, uniforms)

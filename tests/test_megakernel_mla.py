@@ -149,14 +149,15 @@ def test_refusals_name_the_cause():
 
 
 @pytest.mark.slow
-def test_split_over_four_devices_equals_one():
+@pytest.mark.parametrize("shape", ["tree", "chain"])
+def test_split_over_four_devices_equals_one(shape):
     """Heads and experts split, the latent cache replicated, and the all-reduce's chunks
     owned by 3 of the 4 devices (`collectives.chunking`, with 16-column lanes)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(TESTS))  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(TESTS / "split_check.py"), "--tp", "4", "--model", "deepseek-mla",
-         "--lanes", "16"],
+         "--lanes", "16", "--shape", shape],
         capture_output=True, text=True, env=env, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
