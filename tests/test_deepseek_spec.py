@@ -97,8 +97,12 @@ def test_first_two_tokens_match_the_deepseek_target_marginals(tmp_path):
     assert_first_two_tokens_follow_the_target(target, cfg, prompt, toks)
 
 
-def test_megakernel_refuses_mla_with_a_clear_error():
+def test_megakernel_takes_mla_with_rope_only():
+    """DeepSeek-V3's MLA runs in the megakernel (`megakernel.mla`); MLA without
+    positions (Kimi Linear's) is refused by name."""
     from specdec.kernels.megakernel.shard import check_shardable
 
-    with pytest.raises(ValueError, match="multi-head latent attention.*kernel='xla'"):
-        check_shardable(deepseek_config(64), 1)
+    check_shardable(deepseek_config(64), 1)
+    check_shardable(deepseek_config(64), 4)
+    with pytest.raises(ValueError, match="position-free MLA must use kernel='xla'"):
+        check_shardable(deepseek_config(64, use_rope=False), 1)

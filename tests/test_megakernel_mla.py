@@ -100,6 +100,7 @@ def test_kernel_matches_the_reference(shape, q_lora):
     assert out.cache.v.shape == cache.v.shape  # MLA keeps no values
 
 
+@pytest.mark.slow
 def test_the_committed_latents_are_read():
     """Changing the committed latents of a row's slot changes its logits: the kernel
     attends over the cache, not the block alone."""
