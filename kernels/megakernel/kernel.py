@@ -86,7 +86,9 @@ from specdec.kernels import stacks, transformer
 from specdec.kernels.config import ModelConfig
 from specdec.kernels.megakernel import (
     attention,
+    checks,
     collectives,
+    greedy,
     hybrid,
     mla,
     moe,
@@ -157,7 +159,9 @@ def _verify(
         params = stacks.moe_stacked(cfg, params)
     if cfg.is_mla:  # `shard.prepare_params` pads once instead
         params = mla.pad_kv(cfg, params)
-    _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, uniforms, cfg, tp)
+    checks.verify_inputs(
+        params, cache, roots, tokens, parents, slots, cache_lens, uniforms, cfg, tp
+    )
     b, n = tokens.shape
     wdtype = params["layers"]["wo"].dtype
     width = shard.padded_vocab(cfg.vocab_size, tp)
@@ -197,69 +201,6 @@ def _mesh_size(mesh: Mesh | None) -> int:
 
 def _devices(mesh: Mesh | None) -> list:
     return jax.devices() if mesh is None else list(mesh.devices.flat)
-
-
-def _check_inputs(params, cache, roots, tokens, parents, slots, cache_lens, uniforms, cfg, tp):
-    """Trace-time shape and dtype checks (values are the caller's contract)."""
-    if cfg.num_kv_heads % tp and not cfg.is_mla:  # MLA's one latent is replicated
-        raise ValueError(
-            f"On {tp} devices the kernel needs num_kv_heads ({cfg.num_kv_heads}) divisible by "
-            f"{tp}: repeat the K/V heads first (`megakernel.shard.prepare_params`), which also "
-            "gives the KV cache that many heads."
-        )
-    if not isinstance(params["layers"], dict):
-        raise ValueError(
-            "The megakernel streams stacked layer weights (params['layers'] leaves [L, ...]); "
-            "got per-layer params (transformer.unstack_layers): keep the stacked copy."
-        )
-    if tokens.ndim != 2 or parents.shape != tokens.shape:
-        raise ValueError(
-            f"tokens and parents must both be [B, N], got {tokens.shape} and {parents.shape}."
-        )
-    b, n = tokens.shape
-    for name, arr, shape in (
-        ("roots", roots, (b,)),
-        ("slots", slots, (b,)),
-        ("cache_lens", cache_lens, (b,)),
-        ("uniforms", uniforms, (b, n + 1)),
-    ):
-        if arr.shape != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {arr.shape}.")
-    lead = (cfg.num_cache_layers, cache.num_slots, cfg.num_kv_heads, cache.max_len)
-    expect = tuple((*lead, width) for width in cfg.cache_dims)
-    if (cache.k.shape, cache.v.shape) != expect:
-        raise ValueError(
-            f"cache.k and cache.v must have shapes {expect[0]} and {expect[1]}, got "
-            f"{cache.k.shape} and {cache.v.shape}."
-        )
-    if cache.k.dtype.itemsize not in (2, 4) or cache.v.dtype != cache.k.dtype:
-        raise ValueError(f"The cache must be float32 or a 16-bit float, got {cache.k.dtype}.")
-    align = tuning.sublane_tile(cache.k.dtype)
-    if cache.max_len % align:
-        raise ValueError(
-            f"The cache length ({cache.max_len}) must be a multiple of {align} for "
-            f"{cache.k.dtype} caches."
-        )
-    window = tuning.kv_write_rows(n, cache.k.dtype)
-    if cache.max_len < window:
-        raise ValueError(
-            f"The cache length ({cache.max_len}) must be at least {window} for {n} tree nodes."
-        )
-    lp = params["layers"]
-    head = params[shard.head_leaf(cfg)[0]]
-    streamed = {name: lp[name] for name in ("wq", "wk", "wv", "wo", "wg", "w_gate", "w_up",
-                                            "w_down", *moe.SPLIT, *mla.SPLIT)
-                if name in lp}  # fmt: skip
-    if cfg.is_hybrid:
-        streamed |= {name: params["lin"][name] for name in hybrid.LINEAR_HBM}
-        if cache.lin is None:
-            raise ValueError("A hybrid model's cache must hold its linear layers' state (lin).")
-    for name, w in (streamed | {"LM head": head}).items():
-        if w.dtype != lp["wo"].dtype:
-            raise ValueError(
-                f"Streamed weights must share one dtype; {name} is {w.dtype}, wo is "
-                f"{lp['wo'].dtype}."
-            )
 
 
 def _verify_call(
@@ -806,7 +747,7 @@ def _kernel(*refs, p, names):
         carry = collectives.global_argmax(*carry, r.amx_ref, r.coll_sem, me, p.tp)
     r.argmax_ref[...] = carry[1]
 
-    jax.lax.fori_loop(0, p.B, functools.partial(_greedy_row, r, p), 0)
+    jax.lax.fori_loop(0, p.B, functools.partial(greedy.greedy_row, r, p), 0)
 
 
 def _project(r, p, li, name, j, slot, carry):
@@ -828,53 +769,4 @@ def _project(r, p, li, name, j, slot, carry):
     dst = r.gate_ref if name == "g" else getattr(r, f"{name}_ref")
     for t, x in enumerate(heads):
         dst[j * hpt + t] = x
-    return carry
-
-
-def _greedy_row(r, p, b, carry):
-    """Greedy acceptance for sequence b, vectorised over its tree (module docstring).
-
-    Writes verdict[b]: row 0 = accepted nodes by depth (-1 padded), row 1 = their
-    count, row 2 = the bonus token (rows 1 and 2 broadcast along lanes).
-    """
-    np_ = p.Np
-    row0 = pl.multiple_of(b * np_, 8)
-    am = r.argmax_ref[pl.ds(row0, np_), :]  # [Np, 1] target argmax per block row
-    cols = r.tree_cols_ref[pl.ds(row0, np_), :]
-    tok, par, valid, depth = (cols[:, c : c + 1] for c in range(4))
-    rows_ = r.tree_rows_ref[b]  # [2, Np]
-    par_row, valid_row = rows_[0:1], rows_[1:2]
-    ri, ci = ops.iota((np_, np_), 0), ops.iota((np_, np_), 1)
-    eye = ri == ci
-
-    def to_row(col):  # [Np, 1] -> [1, Np]
-        return jnp.sum(jnp.where(eye, col, 0), axis=0, keepdims=True)
-
-    am_at_parent = jnp.sum(jnp.where(par == ci, to_row(am), 0), axis=1, keepdims=True)
-    hit = jnp.where((valid > 0) & (tok == am_at_parent), 1, 0)
-    earlier_hit = (par == par_row) & (ci < ri) & (valid_row > 0) & (to_row(hit) > 0)
-    chosen = jnp.where(
-        (hit > 0) & (jnp.max(jnp.where(earlier_hit, 1, 0), axis=1, keepdims=True) == 0), 1, 0
-    )
-    anc = r.anc_mask_ref[b] > 0
-    broken = jnp.max(
-        jnp.where(anc & (ci >= 1) & (to_row(chosen) == 0), 1, 0), axis=1, keepdims=True
-    )
-    on_path = (valid > 0) & (broken == 0)  # [Np, 1]
-    num = jnp.sum(jnp.where(on_path, 1, 0), axis=0, keepdims=True)  # [1, 1]
-    at_depth = on_path & (depth == ci + 1)  # [Np, Np]: lane d holds the node at depth d + 1
-    nodes = jnp.sum(jnp.where(at_depth, ri - 1, 0), axis=0, keepdims=True)
-    found = jnp.max(jnp.where(at_depth, 1, 0), axis=0, keepdims=True)
-    nodes = jnp.where(found > 0, nodes, -1)
-    last = (on_path & (depth == num)) | ((ops.iota((np_, 1), 0) == 0) & (num == 0))
-    bonus = jnp.sum(jnp.where(last, am, 0), axis=0, keepdims=True)
-    r.verdict_ref[b] = jnp.concatenate(
-        [
-            nodes,
-            jnp.broadcast_to(num, (1, np_)),
-            jnp.broadcast_to(bonus, (1, np_)),
-            jnp.zeros((5, np_), jnp.int32),
-        ],
-        axis=0,
-    )
     return carry

@@ -1,0 +1,111 @@
+"""DFlash block drafters (`specdec.draft.dflash`) against the `dflash` package's torch
+models (a test-only dependency, installed without its pinned dependencies): a tiny
+random drafter written by its own `save_pretrained`, loaded by ours, gives the same
+hidden states and logits for the same target features and block."""
+
+from __future__ import annotations
+
+import json
+
+import dflash.model as dflash_pkg  # the reference: `pip install --no-deps dflash`
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from specdec.draft import dflash
+
+D, VOCAB = 32, 96
+
+
+def write_drafter(folder, *, layers=2, target_ids=(1, 3), nested=True, seed=0, **extra):
+    """A random DFlash drafter in the package's own format (every tensor, norms
+    included, drawn at random so each one matters)."""
+    fields = {"block_size": 8, "mask_token_id": 7, "target_layer_ids": list(target_ids)} | extra
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=D, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+        max_position_embeddings=256, rope_theta=10000.0,
+    )  # fmt: skip
+    config.num_target_layers = 6
+    config.architectures = ["DFlashDraftModel"]
+    if nested:
+        config.dflash_config = fields
+    else:
+        for k, v in fields.items():
+            setattr(config, k, v)
+    torch.manual_seed(seed)
+    model = dflash_pkg.DFlashDraftModel(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.ndim > 1 else 0.5) + (p.ndim == 1))
+    model.save_pretrained(folder)
+    return model
+
+
+def inputs(n_target_layers, batch=2, ctx=5, q=8, seed=1):
+    rng = np.random.default_rng(seed)
+    feats = rng.standard_normal((batch, ctx, n_target_layers * D)).astype(np.float32)
+    block = rng.standard_normal((batch, q, D)).astype(np.float32)
+    start = rng.integers(0, 40, batch)
+    pos = (start[:, None] + np.arange(ctx + q)[None]).astype(np.int64)
+    return feats, block, pos
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_hidden_states_and_logits_match_the_package(tmp_path, nested):
+    model = write_drafter(tmp_path / "d", nested=nested)
+    dcfg, params = dflash.load(tmp_path / "d")
+    assert dcfg.target_layer_ids == (1, 3) and dcfg.block_size == 8 and dcfg.mask_token_id == 7
+    feats, block, pos = inputs(len(dcfg.target_layer_ids))
+    with torch.no_grad():
+        want = model(position_ids=torch.from_numpy(pos), noise_embedding=torch.from_numpy(block),
+                     target_hidden=torch.from_numpy(feats)).numpy()  # fmt: skip
+    ctx = dflash.context_rows(dcfg, params, jnp.asarray(feats))
+    got = np.asarray(dflash.forward(dcfg, params, ctx, jnp.asarray(block), jnp.asarray(pos)))
+    assert got.shape == want.shape == (2, 8, D)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    # Logits through a shared head: the package's compute_logits (multiplier, soft cap).
+    head = torch.nn.Linear(D, VOCAB, bias=False)
+    with torch.no_grad():
+        want_logits = model.compute_logits(torch.from_numpy(want), head).numpy()
+        head_w = head.weight.numpy().T
+    got_logits = np.asarray(dflash.draft_logits(dcfg, jnp.asarray(got) @ head_w))
+    np.testing.assert_allclose(got_logits, want_logits, atol=1e-4, rtol=0)
+
+
+def test_multiplier_soft_cap_and_derived_layer_ids(tmp_path):
+    """output_multiplier and final_logit_softcapping as the package applies them; no
+    target_layer_ids: the package's rule from num_target_layers."""
+    model = write_drafter(tmp_path / "d", layers=3, target_ids=(0, 1, 2),
+                          output_multiplier=2.0, final_logit_softcapping=5.0)  # fmt: skip
+    cfg_file = tmp_path / "d" / "config.json"
+    hf = json.loads(cfg_file.read_text())
+    del hf["dflash_config"]["target_layer_ids"]
+    cfg_file.write_text(json.dumps(hf))
+    dcfg, _ = dflash.load(tmp_path / "d")
+    assert list(dcfg.target_layer_ids) == dflash_pkg.build_target_layer_ids(6, 3) == [1, 2, 3]
+    logits = np.random.default_rng(0).standard_normal((2, 4, VOCAB)).astype(np.float32) * 9
+    want = model.compute_logits(torch.from_numpy(logits), torch.nn.Identity()).numpy()
+    got = np.asarray(dflash.draft_logits(dcfg, jnp.asarray(logits)))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert np.abs(got).max() <= 5.0 < np.abs(2.0 * logits).max()  # the cap bites
+
+
+def test_bad_folders_are_refused_by_name(tmp_path):
+    write_drafter(tmp_path / "d")
+    cfg_file = tmp_path / "d" / "config.json"
+    hf = json.loads(cfg_file.read_text())
+    for change, match in [
+        ({"architectures": ["Qwen3ForCausalLM"]}, "Not a DFlash drafter"),
+        ({"dflash_config": hf["dflash_config"] | {"conv_kernel_size": 4}}, "DFlash2"),
+        ({"dflash_config": {"block_size": 8, "target_layer_ids": [1, 3]}}, "mask_token_id"),
+    ]:
+        cfg_file.write_text(json.dumps(hf | change))
+        with pytest.raises(ValueError, match=match):
+            dflash.load(tmp_path / "d")
+    cfg_file.write_text(json.dumps(hf | {"dflash_config": hf["dflash_config"] |
+                                         {"target_layer_ids": [1, 2, 3]}}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"3 target layers of width 32 need \(96, 32\)"):
+        dflash.load(tmp_path / "d")
