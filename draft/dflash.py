@@ -39,7 +39,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from specdec.kernels import transformer
-from specdec.kernels.config import ModelConfig
+from specdec.kernels.config import Architecture, ModelConfig
 
 ARCHITECTURES = ("DFlashDraftModel",)
 
@@ -74,10 +74,34 @@ def _field(hf: dict, name: str, default=None):
     return inner.get(name, hf.get(name, default))
 
 
+def _qwen3_layers(hf: dict) -> ModelConfig:
+    """The drafter's decoder layers as a Qwen3 config (q / k norms, no biases), read
+    here rather than by `specdec.checkpoint`, a floor above the drafters."""
+    rope = hf.get("rope_parameters") or {}
+    kind = rope.get("rope_type", (hf.get("rope_scaling") or {}).get("rope_type", "default"))
+    if kind != "default":
+        raise ValueError(f"DFlash drafters with rope_type {kind!r} are not supported yet.")
+    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias"):
+        raise ValueError("DFlash layers must use silu and no attention bias (Qwen3's).")
+    try:
+        heads = int(hf["num_attention_heads"])
+        return ModelConfig(
+            vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            architecture=Architecture.QWEN3, qk_norm=True,
+        )  # fmt: skip
+    except KeyError as e:
+        raise ValueError(f"A DFlash config needs {e.args[0]!r}.") from None
+
+
 def config_from_hf(hf: dict) -> DFlashConfig:
     """`DFlashConfig` from a DFlash folder's parsed config.json."""
-    from specdec.checkpoint import config_from_hf as qwen3_config
-
     names = hf.get("architectures") or []
     if names and names[0] not in ARCHITECTURES:
         raise ValueError(
@@ -89,7 +113,7 @@ def config_from_hf(hf: dict) -> DFlashConfig:
             raise ValueError(
                 f"DFlash2 drafters ({name} set) are not supported yet; use a DFlash drafter."
             )
-    model = qwen3_config(hf | {"architectures": ["Qwen3ForCausalLM"]})
+    model = _qwen3_layers(hf)
     layers = model.num_layers
     ids = _field(hf, "target_layer_ids")
     if ids is None:
