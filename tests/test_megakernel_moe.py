@@ -161,13 +161,14 @@ def test_union_of_routed_experts():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n,routing", [("4", "qwen3"), ("4", "deepseek")])
-def test_split_over_devices_matches_the_reference(n, routing):
+@pytest.mark.parametrize("n,routing,shape", [("4", "qwen3", "tree"), ("4", "deepseek", "tree"),
+                                             ("4", "qwen3", "chain")])  # fmt: skip
+def test_split_over_devices_matches_the_reference(n, routing, shape):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, "split_check.py", "--tp", n, "--model", f"{routing}-moe"], cwd=TESTS,
-        env=env, capture_output=True, text=True, timeout=900,
+        [sys.executable, "split_check.py", "--tp", n, "--model", f"{routing}-moe", "--shape",
+         shape], cwd=TESTS, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
