@@ -250,15 +250,7 @@ def linear_mixer(r, p, bi, *, acc_ref, start_update, open_out_next):
     ]
     ops.start(rec)
 
-    def out_tile(j, slot, c):
-        hpt = to // dv
-        acc = acc_ref[...]
-        for t in range(hpt):
-            w = r.o_buf_ref[slot, pl.ds(t * dv, dv), :]
-            acc = acc + ops.dot(r.lo_ref[j * hpt + t], w)
-        acc_ref[...] = acc
-        return c
-
+    out_tile = ops.head_rows_tile(acc_ref, r.lo_ref, r.o_buf_ref, dv, to)
     start_update()
     ops.stream(no, 0, out_copies, out_tile, ring=ring, nxt=open_out_next)
     ops.wait(rec)  # the record buffers are rewritten by the next linear layer

@@ -576,16 +576,7 @@ def _kernel(*refs, p, names):
 
         jax.lax.fori_loop(0, p.B, functools.partial(attention.attend_row, r, p, ai), 0)
 
-        def o_tile(j, slot, c):
-            # Row tile j of wo covers heads [j * hpt, (j + 1) * hpt): x += sum_h attn_h @ wo_h.
-            hpt = to // p.hd
-            acc = acc_ref[...]
-            for t in range(hpt):
-                w = r.o_buf_ref[slot, pl.ds(t * p.hd, p.hd), :]
-                acc = acc + ops.dot(r.attn_ref[j * hpt + t], w)
-            acc_ref[...] = acc
-            return c
-
+        o_tile = ops.head_rows_tile(acc_ref, r.attn_ref, r.o_buf_ref, p.hd, to)
         start_update()
         ops.stream(no, 0, o_copies(ai), o_tile, ring=ring, nxt=open_mlp)
 

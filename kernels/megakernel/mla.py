@@ -163,15 +163,7 @@ def mixer(r, p, li, *, acc_ref, start_update, open_mlp):
         lat = r.olat_ref[h].astype(p.wdtype)
         r.attn_ref[h] = ops.dot(lat, r.wuv_buf_ref[h]).astype(p.wdtype)
 
-    def o_tile(j, slot, carry):
-        hpt = to // vd
-        acc = acc_ref[...]
-        for t in range(hpt):
-            w = r.o_buf_ref[slot, pl.ds(t * vd, vd), :]
-            acc = acc + ops.dot(r.attn_ref[j * hpt + t], w)
-        acc_ref[...] = acc
-        return carry
-
+    o_tile = ops.head_rows_tile(acc_ref, r.attn_ref, r.o_buf_ref, vd, to)
     start_update()
     ops.stream(no, 0, o_copies, o_tile, ring=ring, nxt=open_mlp)
 

@@ -170,3 +170,20 @@ def rope(y, cos, sin, hd, rot):
     behind = pltpu.roll(y, half, 1)  # y[c - half]
     partner = jnp.where(jax.lax.rem(iota(y.shape, 1), hd) < half, ahead, behind)
     return y * cos + partner * sin
+
+
+def head_rows_tile(acc_ref, src_ref, buf_ref, head_width, rows):
+    """body(j, slot, carry) of an output projection streamed in row tiles of whole
+    heads: tile j of `rows` rows covers heads [j * hpt, (j + 1) * hpt) of the
+    head-major `src_ref`, and acc += sum_h src_h @ w_h (no relayout)."""
+    hpt = rows // head_width
+
+    def body(j, slot, carry):
+        acc = acc_ref[...]
+        for t in range(hpt):
+            w = buf_ref[slot, pl.ds(t * head_width, head_width), :]
+            acc = acc + dot(src_ref[j * hpt + t], w)
+        acc_ref[...] = acc
+        return carry
+
+    return body
