@@ -146,14 +146,23 @@ def config_from_hf(hf: dict) -> DFlashConfig:
     )  # fmt: skip
 
 
+def read_config(path: str | os.PathLike) -> DFlashConfig:
+    """A DFlash folder's config (ValueError naming what is wrong)."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"No config.json in {Path(path)}: not a DFlash drafter folder.")
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except ValueError as e:
+        raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+    return config_from_hf(hf)
+
+
 def load(path: str | os.PathLike, dtype: str = "float32") -> tuple[DFlashConfig, dict]:
     """A DFlash folder (config.json + safetensors, as the package's `save_pretrained`
     writes it) as (config, params): matrices [in, out], per-layer dicts."""
     folder = Path(path)
-    cfg_file = folder / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"No config.json in {folder}: not a DFlash drafter folder.")
-    dcfg = config_from_hf(json.loads(cfg_file.read_text()))
+    dcfg = read_config(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"No safetensors weights in {folder}.")
@@ -207,6 +216,77 @@ def context_rows(dcfg: DFlashConfig, params: dict, features: jax.Array) -> jax.A
                                 params["hidden_norm"], eps)  # fmt: skip
 
 
+def context_kv(
+    dcfg: DFlashConfig,
+    params: dict,
+    context: jax.Array,  # f32[B, C, D] context rows (`context_rows`)
+    positions: jax.Array,  # i32[B, C]
+) -> tuple[jax.Array, jax.Array]:
+    """Every layer's keys (q/k-normed, rotated) and values of context rows, each
+    f32[L, B, C, K, hd]: they depend on the rows and positions only, so a drafter
+    computes them once per committed token and keeps them (its KV cache)."""
+    cfg = dcfg.model
+    b, c_len, _ = context.shape
+    inv_freq = jnp.asarray(transformer.rope_inv_freq(cfg))
+    scale = transformer.rope_scale(cfg)
+    ks, vs = [], []
+    for lp in params["layers"]:
+        k = transformer.matmul(context, lp["wk"]).reshape(b, c_len, cfg.num_kv_heads, -1)
+        k = transformer.rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+        ks.append(transformer.apply_rope(k, positions, inv_freq, scale))
+        vs.append(transformer.matmul(context, lp["wv"]).reshape(b, c_len, cfg.num_kv_heads, -1))
+    return jnp.stack(ks), jnp.stack(vs)
+
+
+def forward_kv(
+    dcfg: DFlashConfig,
+    params: dict,
+    keys: jax.Array,  # f32[L, B, T, K, hd] the context rows' keys (`context_kv`)
+    values: jax.Array,  # f32[L, B, T, K, hd]
+    key_valid: jax.Array,  # bool[B, T] which of them the block reads
+    block: jax.Array,  # f32[B, Q, D] the block's input embeddings (already scaled)
+    positions: jax.Array,  # i32[B, Q] the block rows' positions
+) -> jax.Array:
+    """The drafter's final hidden states for the block, f32[B, Q, D], given its context
+    as keys and values (module docstring)."""
+    cfg = dcfg.model
+    b, q_len, _ = block.shape
+    t_len = keys.shape[2]
+    h_q, h_k, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    eps = cfg.rms_norm_eps
+    inv_freq = jnp.asarray(transformer.rope_inv_freq(cfg))
+    scale = transformer.rope_scale(cfg)
+    visible = jnp.concatenate(
+        [jnp.broadcast_to(key_valid[:, None, :], (b, q_len, t_len)),
+         jnp.ones((b, q_len, q_len), bool)], axis=2,
+    )  # fmt: skip
+    causal = jnp.concatenate(
+        [jnp.ones((q_len, t_len), bool), jnp.tril(jnp.ones((q_len, q_len), bool))], axis=1
+    )
+    x = block.astype(jnp.float32)
+    for i, lp in enumerate(params["layers"]):
+        h = transformer.rms_norm(x, lp["attn_norm"], eps)
+        q = transformer.matmul(h, lp["wq"]).reshape(b, q_len, h_q, hd)
+        k = transformer.matmul(h, lp["wk"]).reshape(b, q_len, h_k, hd)
+        v = transformer.matmul(h, lp["wv"]).reshape(b, q_len, h_k, hd)
+        q = transformer.apply_rope(transformer.rms_norm(q, lp["q_norm"], eps), positions,
+                                   inv_freq, scale)  # fmt: skip
+        k = transformer.apply_rope(transformer.rms_norm(k, lp["k_norm"], eps), positions,
+                                   inv_freq, scale)  # fmt: skip
+        k = jnp.concatenate([keys[i].astype(jnp.float32), k], axis=1)
+        v = jnp.concatenate([values[i].astype(jnp.float32), v], axis=1)
+        q = q.reshape(b, q_len, h_k, h_q // h_k, hd)
+        s = jnp.einsum("bqkgd,btkd->bkgqt", q, k) / math.sqrt(hd)
+        mask = visible & causal if dcfg.causal and dcfg.causal[i] else visible
+        s = jnp.where(mask[:, None, None], s, -jnp.inf)
+        attn = jnp.einsum("bkgqt,btkd->bqkgd", jax.nn.softmax(s, axis=-1), v)
+        x = x + transformer.matmul(attn.reshape(b, q_len, h_q * hd), lp["wo"])
+        m = transformer.rms_norm(x, lp["mlp_norm"], eps)
+        gate, up = transformer.matmul(m, lp["w_gate"]), transformer.matmul(m, lp["w_up"])
+        x = x + transformer.matmul(jax.nn.silu(gate) * up, lp["w_down"])
+    return transformer.rms_norm(x, params["norm"], eps)
+
+
 def forward(
     dcfg: DFlashConfig,
     params: dict,
@@ -216,42 +296,11 @@ def forward(
     context_valid: jax.Array | None = None,  # bool[B, C]; None = all
 ) -> jax.Array:
     """The drafter's final hidden states for the block, f32[B, Q, D] (module docstring)."""
-    cfg = dcfg.model
-    b, q_len, _ = block.shape
     c_len = context.shape[1]
-    h_q, h_k, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    eps = cfg.rms_norm_eps
-    inv_freq = jnp.asarray(transformer.rope_inv_freq(cfg))
-    scale = transformer.rope_scale(cfg)
-    visible = jnp.ones((b, q_len, c_len + q_len), bool)
-    if context_valid is not None:
-        visible = visible & jnp.concatenate(
-            [context_valid[:, None, :], jnp.ones((b, q_len, q_len), bool)], axis=2
-        )
-    causal_mask = jnp.concatenate(
-        [jnp.ones((q_len, c_len), bool), jnp.tril(jnp.ones((q_len, q_len), bool))], axis=1
-    )
-    x = block.astype(jnp.float32)
-    for i, lp in enumerate(params["layers"]):
-        h = transformer.rms_norm(x, lp["attn_norm"], eps)
-        both = jnp.concatenate([context.astype(jnp.float32), h], axis=1)
-        q = transformer.matmul(h, lp["wq"]).reshape(b, q_len, h_q, hd)
-        k = transformer.matmul(both, lp["wk"]).reshape(b, c_len + q_len, h_k, hd)
-        v = transformer.matmul(both, lp["wv"]).reshape(b, c_len + q_len, h_k, hd)
-        q = transformer.apply_rope(transformer.rms_norm(q, lp["q_norm"], eps),
-                                   positions[:, c_len:], inv_freq, scale)  # fmt: skip
-        k = transformer.apply_rope(transformer.rms_norm(k, lp["k_norm"], eps), positions,
-                                   inv_freq, scale)  # fmt: skip
-        q = q.reshape(b, q_len, h_k, h_q // h_k, hd)
-        s = jnp.einsum("bqkgd,btkd->bkgqt", q, k) / math.sqrt(hd)
-        mask = visible & causal_mask if dcfg.causal and dcfg.causal[i] else visible
-        s = jnp.where(mask[:, None, None], s, -jnp.inf)
-        attn = jnp.einsum("bkgqt,btkd->bqkgd", jax.nn.softmax(s, axis=-1), v)
-        x = x + transformer.matmul(attn.reshape(b, q_len, h_q * hd), lp["wo"])
-        m = transformer.rms_norm(x, lp["mlp_norm"], eps)
-        gate, up = transformer.matmul(m, lp["w_gate"]), transformer.matmul(m, lp["w_up"])
-        x = x + transformer.matmul(jax.nn.silu(gate) * up, lp["w_down"])
-    return transformer.rms_norm(x, params["norm"], eps)
+    keys, values = context_kv(dcfg, params, context, positions[:, :c_len])
+    if context_valid is None:
+        context_valid = jnp.ones(context.shape[:2], bool)
+    return forward_kv(dcfg, params, keys, values, context_valid, block, positions[:, c_len:])
 
 
 def draft_logits(dcfg: DFlashConfig, head_logits: jax.Array) -> jax.Array:
@@ -265,9 +314,12 @@ def draft_logits(dcfg: DFlashConfig, head_logits: jax.Array) -> jax.Array:
 __all__ = [
     "DFlashConfig",
     "config_from_hf",
+    "context_kv",
     "context_rows",
     "default_target_layer_ids",
     "draft_logits",
     "forward",
+    "forward_kv",
     "load",
+    "read_config",
 ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +88,10 @@ class ModelRunner:
         self.cache_lens = np.zeros(num_slots, np.int32)
         self.reserved = np.zeros(num_slots, np.int32)  # planned lengths (`reserve`)
         self.mesh = None  # the devices it is split over, once `sharding.shard_runner` ran
+        # Layers whose outputs a block drafter reads (`transformer.block_logits_kv`'s
+        # taps); with any, each prefill keeps its chunks' features (`prefill_features`).
+        self.taps: tuple[int, ...] = ()
+        self.prefill_features: list[FeatureChunk] = []
 
     @property
     def cache(self):
@@ -158,6 +163,7 @@ class ModelRunner:
         never on which prompts arrive together, so a handful of shapes covers every
         prompt up to `max_len` (`prefill_shapes`) and none pads to a longer neighbour.
         """
+        self.prefill_features = []
         return np.stack([self._prefill_one(s, p) for s, p in zip(slots, prompts, strict=True)])
 
     def _prefill_one(self, slot: int, prompt: Sequence[int]) -> np.ndarray:
@@ -175,7 +181,7 @@ class ModelRunner:
             # the block): the first chunk reads none of it.
             kv_len = kv_bucket(start, self.max_len) if start else 0
             starts = np.array([start], np.int32)
-            logits, ks, vs = _prefill_chunk(
+            logits, ks, vs, *feats = _prefill_chunk(
                 self.params,
                 self.cache,
                 toks[:, start : start + chunk],
@@ -186,7 +192,10 @@ class ModelRunner:
                 cfg=self.cfg,
                 kv_len=kv_len,
                 layout=self.layout,
+                taps=self.taps,
             )
+            if feats:
+                self.prefill_features.append(FeatureChunk(slot, start, int(n_in[0]), feats[0][0]))
             self.cache = transformer.write_kv(self.cache, ks, vs, slots, starts, counts=n_in)
         self.cache_lens[slot] = n
         return np.asarray(logits[0])  # the prompt ends in the last chunk
@@ -203,22 +212,33 @@ class ModelRunner:
         )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kv_len", "layout"))
+class FeatureChunk(NamedTuple):
+    """A prefill chunk's features at the runner's taps: slot `slot`'s positions
+    [start, start + count) are `rows[:count]` (f32[C, n x D], on the device)."""
+
+    slot: int
+    start: int
+    count: int
+    rows: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kv_len", "layout", "taps"))
 def _prefill_chunk(params, cache, tokens, starts, n_in, slots, logit_index, *, cfg, kv_len,
-                   layout):  # fmt: skip
+                   layout, taps=()):  # fmt: skip
     """One causal chunk per row at cache offset `starts` (cache read only; not at all
     when `kv_len` is 0, the first chunk: nothing precedes it).
 
-    Returns logits f32[B, V] at logit_index and the chunk's K/V [L, B, C, K, hd].
+    Returns logits f32[B, V] at logit_index and the chunk's K/V [L, B, C, K, hd]
+    (and with `taps`, the chunk's features f32[B, C, n x D]).
     """
     c = tokens.shape[1]
     positions = starts[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
     mask = transformer.causal_block_mask(n_in, c)
-    logits, ks, vs = transformer.block_logits_kv(
+    logits, ks, vs, *feats = transformer.block_logits_kv(
         params, cache if kv_len else None, tokens, positions, mask, slots, starts, logit_index,
-        cfg=cfg, kv_len=kv_len or None, layout=layout,
+        cfg=cfg, kv_len=kv_len or None, layout=layout, taps=taps,
     )  # fmt: skip
-    return logits[:, 0], ks, vs
+    return (logits[:, 0], ks, vs, *feats)
 
 
 def live_rows(active: np.ndarray, num_slots: int) -> np.ndarray:

@@ -349,21 +349,24 @@ class Layout:
         stale data in unused positions cannot leak through 0 * NaN)."""
         return _cache_rows(arr, layer, rows, kv_len, keep=keep)
 
-    def over_layers(self, body, x, layers, side_k=None, side_v=None):
+    def over_layers(self, body, x, layers, side_k=None, side_v=None, taps=()):
         """Runs `body(x, (lp, i, sk, sv)) -> (x, (k, v))` over the layers, where i is
         the layer's index into the cache and sk / sv its side buffers (or None).
-        Returns x and the K/V stacked [L, ...].
+        Returns x and the K/V stacked [L, ...]; with `taps` (layer indices), also the
+        residual after each of those layers, concatenated along features [..., n x D].
 
         Stacked params ([L, ...] leaves) run under `lax.scan` (one traced layer:
         what a kernel streams); a tuple of per-layer dicts is unrolled. A body may
         return a `LinearBlock` for a linear-attention layer's K (and None for V): the
         K/V are then the attention layers' only, the K a `HybridKV` with the records."""
         if isinstance(layers, (tuple, list)):
-            ks, vs, recs = [], [], []
+            ks, vs, recs, tapped = [], [], [], {}
             for i, lp in enumerate(layers):
                 sk = None if side_k is None else side_k[i]
                 sv = None if side_v is None else side_v[i]
                 x, (k, v) = body(x, (lp, i, sk, sv))
+                if i in taps:
+                    tapped[i] = x
                 if isinstance(k, LinearBlock):  # a linear-attention layer's record
                     recs.append(k)
                 else:
@@ -371,11 +374,23 @@ class Layout:
                     vs.append(v)
             if recs:  # a hybrid model (`HybridKV`)
                 lin = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *recs)
-                return x, HybridKV(k=jnp.stack(ks), lin=lin), jnp.stack(vs)
-            return x, jnp.stack(ks), jnp.stack(vs)
+                out = (x, HybridKV(k=jnp.stack(ks), lin=lin), jnp.stack(vs))
+            else:
+                out = (x, jnp.stack(ks), jnp.stack(vs))
+            if not taps:
+                return out
+            return (*out, jnp.concatenate([tapped[i] for i in taps], axis=-1))
         n = next(iter(layers.values())).shape[0]
-        x, (ks, vs) = jax.lax.scan(body, x, (layers, jnp.arange(n), side_k, side_v))
-        return x, ks, vs
+        if not taps:
+            x, (ks, vs) = jax.lax.scan(body, x, (layers, jnp.arange(n), side_k, side_v))
+            return x, ks, vs
+
+        def keep_x(x, layer):
+            x, kv = body(x, layer)
+            return x, (kv, x)
+
+        x, ((ks, vs), xs) = jax.lax.scan(keep_x, x, (layers, jnp.arange(n), side_k, side_v))
+        return x, ks, vs, jnp.concatenate([xs[i] for i in taps], axis=-1)
 
 
 REFERENCE = Layout()
@@ -653,7 +668,12 @@ def _mla_values(cfg, lp, attn: jax.Array, layout: Layout) -> jax.Array:
 
 def lm_head(cfg: ModelConfig, params: Params, x: jax.Array, layout: Layout = REFERENCE):
     """Final norm + vocabulary projection: x f32[..., D] -> logits f32[..., V]."""
-    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return head_logits(cfg, params, rms_norm(x, params["final_norm"], cfg.rms_norm_eps), layout)
+
+
+def head_logits(cfg: ModelConfig, params: Params, h: jax.Array, layout: Layout = REFERENCE):
+    """The vocabulary projection alone (no final norm): h f32[..., D] -> f32[..., V]; a
+    block drafter's normed states go through the target's head this way."""
     if "lm_head" in params:  # untied, or a tied model's [D, V] copy (`xla_layout.untie_head`)
         logits = layout.linear(params, "lm_head", h)
     else:
@@ -668,13 +688,27 @@ def lm_head(cfg: ModelConfig, params: Params, x: jax.Array, layout: Layout = REF
 
 def _hidden_block(
     cfg, params, tokens, positions, block_mask, cache, slots, cache_lens, cache_mask=None,
-    kv_len=None, side=None, layout: Layout = REFERENCE,
+    kv_len=None, side=None, layout: Layout = REFERENCE, taps: tuple[int, ...] = (),
 ):  # fmt: skip
-    """Runs all layers; returns final residual f32[B, N, D] and new K/V [L, B, N, K, hd].
+    """Runs all layers; returns final residual f32[B, N, D] and new K/V [L, B, N, K, hd]
+    (and with `taps`, the features `block_logits_kv` describes).
 
     Only the first `kv_len` cache positions are read (default: all of them).
     `side` (see `block_logits_kv`) replaces the block's own keys by a side buffer.
     """
+    out = _run_layers(cfg, params, tokens, positions, block_mask, cache, slots, cache_lens,
+                      cache_mask, kv_len, side, layout, taps)  # fmt: skip
+    last = cfg.num_layers - 1
+    if last not in taps:
+        return out
+    x, ks, vs, feats = out  # transformers' last hidden state is the final norm's output
+    d, i = x.shape[-1], taps.index(last)
+    normed = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return x, ks, vs, feats.at[..., i * d : (i + 1) * d].set(normed)
+
+
+def _run_layers(cfg, params, tokens, positions, block_mask, cache, slots, cache_lens, cache_mask,
+                kv_len, side, layout: Layout, taps: tuple[int, ...]):  # fmt: skip
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][tokens].astype(jnp.float32)
     if "lin" in params:  # a hybrid model held as the megakernel's stacks
@@ -713,7 +747,7 @@ def _hidden_block(
                              None, layout, lin)  # fmt: skip
             return x, (k, v)
 
-        return layout.over_layers(body, x, params["layers"])
+        return layout.over_layers(body, x, params["layers"], taps=taps)
 
     kv_len = kv_len or cache.max_len
     t = jnp.arange(kv_len)
@@ -747,7 +781,7 @@ def _hidden_block(
         return x, (k, v)
 
     sk, sv = (None, None) if side is None else (side.k, side.v)
-    return layout.over_layers(body, x, params["layers"], sk, sv)
+    return layout.over_layers(body, x, params["layers"], sk, sv, taps=taps)
 
 
 def _cache_rows(
@@ -913,8 +947,13 @@ def block_logits_kv(
     kv_len: int | None = None,
     side: SideKV | None = None,
     layout: Layout = REFERENCE,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    taps: tuple[int, ...] = (),
+) -> tuple[jax.Array, ...]:
     """`forward_block` without the cache write: (logits, k, v), K/V [L, B, N, K, hd].
+
+    With `taps` (layer indices), a fourth result: each tapped layer's output for every
+    block token, concatenated f32[B, N, len(taps) x D], as transformers' hidden_states[i
+    + 1] (the last layer's is after the final norm): what a block drafter reads.
 
     The cache is only read, so a caller can write just what it keeps, in its own
     donated call (`write_kv`): XLA on CPU copies the whole cache when one program
@@ -922,13 +961,13 @@ def block_logits_kv(
     With `side`, the block's K/V go into the side buffer at `side.at` and the
     returned K/V are the whole updated buffers [L, B, S, K, hd].
     """
-    x, ks, vs = _hidden_block(
+    x, ks, vs, *feats = _hidden_block(
         cfg, params, tokens, positions, block_mask, cache, slots, cache_lens, cache_mask, kv_len,
-        side, layout,
+        side, layout, taps,
     )  # fmt: skip
     if logit_index is not None:
         x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)
-    return lm_head(cfg, params, x, layout), ks, vs
+    return (lm_head(cfg, params, x, layout), ks, vs, *feats)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))

@@ -163,6 +163,11 @@ class LLM:
         # or in each Ray actor (the target's choice is read back from it below).
         self.dtype = dtype
         self.plan: Plan | None = None  # in-process only: each Ray actor plans on its host
+        if remote and speculative_config is not None and speculative_config.method == "dflash":
+            raise ValueError(
+                "method='dflash' runs in process for now (the drafter reads the target's "
+                "hidden states); drop the cluster, or use method='draft_model' on it."
+            )
         if remote:  # the weights load in the target actor, not here
             self.config, params = load_config(folder), None
         else:
@@ -201,7 +206,7 @@ class LLM:
         else:
             # Every timing-dependent choice, made once here (specdec/plan.py).
             model_drafter = speculative_config is not None and (
-                speculative_config.method == "draft_model"
+                speculative_config.method in ("draft_model", "dflash")
             )  # its trees stay on the device: verified at full width only
             self.plan = make_plan(self.config, dtype=self.dtype, spec=speculative_config,
                                   num_slots=PLAN_SLOTS, host_trees=not model_drafter)  # fmt: skip

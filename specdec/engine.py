@@ -148,6 +148,13 @@ class LLMEngine:
         self.spec_metrics = SpecDecodeMetrics()
         self.last_error: WorkerLostError | None = None  # why requests last ended in "error"
         self._rng = np.random.default_rng(seed)
+        if getattr(drafter, "target_layers", None):  # a block drafter reads the target
+            if not isinstance(target, TargetWorker):
+                raise ValueError(
+                    "A block drafter (method='dflash') reads the target's hidden states "
+                    "in process; it does not run on a Ray cluster yet."
+                )
+            drafter.bind(target)
         # KV capacity in blocks: the target's, or the draft's if it holds fewer (a
         # draft holds at most the target's positions, `workers.kv_pool`).
         self.block_size, self.num_blocks, self.kv_max_len = target.kv_capacity()

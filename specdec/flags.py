@@ -47,9 +47,11 @@ def add_model_arguments(
 ) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=str(DEMO_DIR / "target"), help="target model folder")
-    g.add_argument("--draft", default=None, help="draft model folder (default: bundled draft)")
+    g.add_argument("--draft", default=None,
+                   help="draft model folder (default: bundled draft), or with --method "
+                        "dflash a DFlash drafter folder")  # fmt: skip
     g.add_argument(
-        "--method", choices=("draft_model", "ngram", "none"), default=None,
+        "--method", choices=("draft_model", "dflash", "ngram", "none"), default=None,
         help="drafter; none = plain autoregressive decoding (default: draft_model with "
              "--draft or the bundled pair, else ngram)",
     )  # fmt: skip
@@ -129,9 +131,9 @@ def method_from_args(args) -> str:
 
 def speculative_from_args(args) -> dict | None:
     method = method_from_args(args)
-    if args.draft is not None and method != "draft_model":
+    if args.draft is not None and method not in ("draft_model", "dflash"):
         raise ValueError(
-            f"--draft is a draft model for --method draft_model; --method {method} "
+            f"--draft is a draft model for --method draft_model or dflash; --method {method} "
             "takes none (leave --draft out, or pick --method draft_model)."
         )
     if method == "none":
@@ -140,11 +142,12 @@ def speculative_from_args(args) -> dict | None:
     n = n if n == "auto" else int(n)
     spec = {"method": method, "num_speculative_tokens": n, "max_depth": args.max_depth,
             "topk": args.topk}  # fmt: skip
-    if method == "draft_model":
-        default_draft = DEMO_DIR / "draft" if Path(args.model) == DEMO_DIR / "target" else None
-        draft = args.draft or default_draft
+    if method in ("draft_model", "dflash"):
+        bundled = DEMO_DIR / ("draft" if method == "draft_model" else "dflash")
+        default_draft = bundled if Path(args.model) == DEMO_DIR / "target" else None
+        draft = args.draft or (default_draft if default_draft and default_draft.exists() else None)
         if draft is None:
-            raise ValueError("--method draft_model with a custom --model needs --draft PATH.")
+            raise ValueError(f"--method {method} with this --model needs --draft PATH.")
         spec["model"] = str(draft)
     return spec
 

@@ -79,7 +79,8 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-SpeculativeMethod = Literal["draft_model", "ngram"]
+SpeculativeMethod = Literal["draft_model", "dflash", "ngram"]
+METHODS = ("draft_model", "dflash", "ngram")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +91,13 @@ class SpeculativeConfig:
     num_speculative_tokens=16, max_depth=6, topk=4)` grows up to 16 tree nodes,
     at most 6 deep, expanding each chosen node into its 4 most likely children;
     `topk=1` gives a chain of `min(num_speculative_tokens, max_depth)` tokens.
+    `method="dflash"` takes a DFlash drafter folder (the `dflash` package's
+    format): one forward per step drafts a block, and the tree grows from its
+    per-position candidates (max_depth at most the block size - 1).
     """
 
     method: SpeculativeMethod = "draft_model"
-    model: str | None = None  # draft model folder (method="draft_model")
+    model: str | None = None  # draft model / DFlash drafter folder
     num_speculative_tokens: int | Literal["auto"] = "auto"  # tree nodes per step
     max_depth: int = 6  # longest root-to-leaf path
     topk: int = 4  # children per expanded node (1 = chain)
@@ -101,10 +105,12 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: longest suffix to match
 
     def __post_init__(self):
-        if self.method not in ("draft_model", "ngram"):
-            raise ValueError(f"method must be 'draft_model' or 'ngram', got {self.method!r}.")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {list(METHODS)}, got {self.method!r}.")
         if self.method == "draft_model" and not self.model:
             raise ValueError("method='draft_model' needs model=<draft model folder>.")
+        if self.method == "dflash" and not self.model:
+            raise ValueError("method='dflash' needs model=<DFlash drafter folder>.")
         if self.method == "ngram" and self.model:
             raise ValueError(
                 f"model={self.model!r} is a draft model folder, for method='draft_model'; "

@@ -26,7 +26,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from specdec.checkpoint import load_model
+from specdec.draft import dflash
 from specdec.draft.base import DraftBatch, Drafter
+from specdec.draft.block import BlockDrafter
 from specdec.draft.model import ModelDrafter
 from specdec.draft.ngram import NgramDrafter
 from specdec.kernels import dot_library, sharding, transformer
@@ -59,34 +61,36 @@ def _verify_step(
     child_sampling: ChildSampling,
     kv_len: int | None = None,
     layout: Layout = transformer.REFERENCE,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    taps: tuple[int, ...] = (),
+) -> tuple[jax.Array, ...]:
     """The reference verify step (`megakernel.reference`: the same block, the same
     `decide`) in the runner's layout, with the cache only read.
 
     Returns emitted i32[B, N+1], num_accepted i32[B], accepted_nodes i32[B, N] and
     the block's K/V [L, B, N+1, K, hd]; `commit_path` then writes the kept part
     (XLA on CPU copies the whole cache when one program both reads it and
-    updates it in place).
+    updates it in place). With `taps`, also the block's features at those layers
+    f32[B, N+1, n x D] (`transformer.block_logits_kv`), for a block drafter.
 
     `emitted[b]` holds the accepted tokens then the bonus token, then -1.
     """
     n = tokens.shape[1]
     block, positions, mask = tree_block(roots, tokens, parents, cache_lens)
-    logits, ks, vs = transformer.block_logits_kv(
+    logits, ks, vs, *feats = transformer.block_logits_kv(
         params, cache, block, positions, mask, slots, cache_lens, cfg=cfg, kv_len=kv_len,
-        layout=layout,
+        layout=layout, taps=taps,
     )  # fmt: skip
     verdict = decide(
         logits, block, mask, tokens, parents, draft_probs, sampling, sampling.uniforms(n + 1),
         child_sampling,
     )  # fmt: skip
     emitted = jax.vmap(emitted_tokens)(tokens, verdict)
-    return emitted, verdict.num_accepted, verdict.accepted_nodes, ks, vs
+    return (emitted, verdict.num_accepted, verdict.accepted_nodes, ks, vs, *feats)
 
 
 # One compiled copy per CPU dot library (`dot_library`); `verify_step` = XLA's default.
 VERIFY_STEPS = dot_library.jit_each(
-    _verify_step, static_argnames=("cfg", "child_sampling", "kv_len", "layout")
+    _verify_step, static_argnames=("cfg", "child_sampling", "kv_len", "layout", "taps")
 )
 verify_step = VERIFY_STEPS["default"]
 
@@ -294,14 +298,14 @@ def _verify_xla(r: ModelRunner, roots, tree: DraftBatch, slots, active, sampling
     Rows are the step's live rows (`runner.live_rows`): row b is slot slots[b]."""
     n = tree.tokens.shape[1]
     cache_lens = r.cache_lens[np.maximum(slots, 0)]  # a copy: jax never sees a buffer we mutate
-    emitted, num, accepted, ks, vs = VERIFY_STEPS[library](
+    emitted, num, accepted, ks, vs, *feats = VERIFY_STEPS[library](
         r.params, r.cache, roots, tree.tokens, tree.parents, tree.draft_probs, slots,
         cache_lens, sampling, cfg=r.cfg, child_sampling=tree.child_sampling,
         kv_len=r.kv_len(active, int(r.cache_lens[active].max(initial=0)) + 2 + n),
-        layout=r.layout.for_library(library),
+        layout=r.layout.for_library(library), taps=r.taps,
     )  # fmt: skip
     r.cache = commit_path(r.cache, ks, vs, slots, cache_lens, accepted)
-    return emitted, num, accepted
+    return (emitted, num, accepted, *feats)
 
 
 def _verify_megakernel(r: ModelRunner, roots, tree: DraftBatch, slots, active, sampling,
@@ -383,6 +387,24 @@ class TargetWorker:
         # Host trees' verify width; None = always the narrowest that holds every node
         # (what a benchmark of the verify cost per tree size needs).
         self.widths: WidthChooser | None = WidthChooser(plan.width_cost)
+        self.features: tuple[np.ndarray, jax.Array] | None = None  # the last verify's (`tap`)
+
+    def tap(self, layers: tuple[int, ...]) -> None:
+        """From now on prefill and verify keep the outputs of `layers` (a block drafter's
+        `target_layers`): `runner.prefill_features` and `features`."""
+        n = self.cfg.num_layers
+        bad = [i for i in layers if not 0 <= i < n]
+        if bad:
+            raise ValueError(
+                f"The drafter reads target layers {list(layers)}; {bad} are outside this "
+                f"target's {n} layers (0 .. {n - 1})."
+            )
+        if self.kernel != "xla":
+            raise ValueError(
+                "A block drafter (method='dflash') reads the target's hidden states, which "
+                "the verify megakernel does not return yet; use kernel='xla'."
+            )
+        self.runner.taps = tuple(int(i) for i in layers)
 
     @property
     def cache_lens(self) -> np.ndarray:
@@ -439,9 +461,12 @@ class TargetWorker:
         sampling_r = sampling.rows(take)
         tree_r = tree.rows(take)
         library = self.plan.library(len(slots) * (n + 1))
-        emitted_r, num_r, accepted_r = self._verify(
+        emitted_r, num_r, accepted_r, *feats = self._verify(
             r, roots_r, tree_r, slots, active, sampling_r, library
         )
+        # The block's features per live row (row b = slot slots[b]; node i at i + 1),
+        # for a block drafter's commit (`tap`).
+        self.features = (slots, feats[0]) if feats else None
         s_count = r.num_slots
         emitted = np.full((s_count, n + 1), -1, np.int32)
         num = np.zeros(s_count, np.int32)
@@ -500,11 +525,14 @@ def _vocab_limit(target_path, target_cfg: ModelConfig, draft_path, draft_cfg) ->
 
 
 def draft_config(spec: SpeculativeConfig) -> ModelConfig:
-    """The draft model's config (ValueError naming the path when there is none)."""
+    """The draft model's config (ValueError naming the path when there is none); for a
+    DFlash drafter, its layers' (what its cache holds per token)."""
     from specdec.checkpoint import load_config
 
     if not Path(spec.model).exists():
         raise ValueError(f"Draft model path {spec.model!r} does not exist.")
+    if spec.method == "dflash":
+        return dflash.read_config(spec.model).model
     return load_config(spec.model)
 
 
@@ -531,7 +559,19 @@ def _ngram_drafter(spec: SpeculativeConfig, *, target_path, target_config, num_s
     )  # fmt: skip
 
 
-DRAFTERS = {"draft_model": _model_drafter, "ngram": _ngram_drafter}
+def _dflash_drafter(spec: SpeculativeConfig, *, target_path, target_config, num_slots,
+                    max_model_len, plan: Plan, num_blocks: int | None = None):  # fmt: skip
+    draft_config(spec)  # the path checked first, with its own message
+    dcfg, params = dflash.load(spec.model, dtype=plan.dtype)
+    tree = plan.tree
+    return BlockDrafter(
+        dcfg, params, num_slots=num_slots, max_model_len=max_model_len,
+        num_nodes=tree.num_nodes, max_depth=tree.max_depth, topk=tree.topk,
+        vocab_limit=target_config.vocab_size, num_blocks=num_blocks,
+    )  # fmt: skip
+
+
+DRAFTERS = {"draft_model": _model_drafter, "dflash": _dflash_drafter, "ngram": _ngram_drafter}
 
 
 def build_drafter(spec: SpeculativeConfig, *, plan: Plan, **kwargs) -> Drafter:

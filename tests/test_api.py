@@ -106,7 +106,9 @@ def test_bad_constructor_args(model_dir, tmp_path):
 
 
 def test_bad_speculative_config():
-    with pytest.raises(ValueError, match="method must be 'draft_model' or 'ngram'"):
+    with pytest.raises(
+        ValueError, match=r"method must be one of \['draft_model', 'dflash', 'ngram'\]"
+    ):
         SpeculativeConfig(method="medusa")
     with pytest.raises(ValueError, match="needs model="):
         SpeculativeConfig(method="draft_model")

@@ -12,36 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
+from hf_models import write_dflash
 
 from specdec.draft import dflash
 
 D, VOCAB = 32, 96
 
 
-def write_drafter(folder, *, layers=2, target_ids=(1, 3), nested=True, seed=0, **extra):
-    """A random DFlash drafter in the package's own format (every tensor, norms
-    included, drawn at random so each one matters)."""
-    fields = {"block_size": 8, "mask_token_id": 7, "target_layer_ids": list(target_ids)} | extra
-    config = transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=D, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
-        max_position_embeddings=256, rope_theta=10000.0,
-    )  # fmt: skip
-    config.num_target_layers = 6
-    config.architectures = ["DFlashDraftModel"]
-    if nested:
-        config.dflash_config = fields
-    else:
-        for k, v in fields.items():
-            setattr(config, k, v)
-    torch.manual_seed(seed)
-    model = dflash_pkg.DFlashDraftModel(config).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if p.ndim > 1 else 0.5) + (p.ndim == 1))
-    model.save_pretrained(folder)
-    return model
+def write_drafter(folder, *, target_ids=(1, 3), **kw):
+    return write_dflash(folder, vocab=VOCAB, hidden=D, target_layer_ids=target_ids, **kw)
 
 
 def inputs(n_target_layers, batch=2, ctx=5, q=8, seed=1):

@@ -1,0 +1,363 @@
+"""Block drafter: a DFlash model proposes a whole token tree in one forward.
+
+Per slot the drafter keeps the context keys / values of every committed token
+but the root (`dflash.context_kv` of the target's features at
+`target_layer_ids`, in a paged cache of its own) and, until its next `propose`,
+the features of the tokens the target's last verify committed ("pending").
+
+One `propose` is one jitted call over the live rows:
+
+1. **Catch up.** The pending features become context rows; their keys / values
+   are written into the cache at the rows' next positions and read at once.
+2. **Block.** The root and `block_size - 1` mask tokens (the target's
+   embeddings, times `input_embedding_scale`) at positions root, root + 1, ...
+   go through the drafter, reading the whole context; block row d >= 1 is
+   the draft's distribution for the token d places after the root (through the
+   target's LM head, `dflash.draft_logits`).
+3. **Tree.** Best-first from the per-position top-k candidates: a node's score
+   is the sum of its path's draft log-probabilities; each of `num_nodes` rounds
+   adds the best child not yet taken of any node (children of a node at depth
+   d are position d + 1's top-k, in order), at most `max_depth` deep, `topk`
+   children per node. `topk=1` is DFlash's chain.
+
+Children are chosen deterministically from q, so the target verifies them
+with the draw-and-match rule (`ChildSampling.DETERMINISTIC_TOPK`), exact for
+any sampling parameters (DESIGN.md, "Acceptance rules"). Candidates are
+ranked by the draft's raw distribution (no repetition penalty, no
+temperature): any deterministic ranking keeps the rule exact.
+
+The target's features reach the drafter through the target worker it is
+bound to (`bind`): prefill keeps each chunk's (`runner.prefill_features`),
+verify the block's (`TargetWorker.features`); `start` and `commit` read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec.kernels import paged, transformer, xla_layout
+from specdec.kernels.blocks import BLOCK_SIZE, BlockAllocator, num_blocks_for
+from specdec.kernels.paged import PagedKVCache
+from specdec.kernels.runner import KV_RESERVE_CAP, kv_bucket, live_rows
+from specdec.verify.batch import SamplingBatch
+from specdec.verify.tree import ChildSampling
+
+from . import dflash
+from .base import PAD_PARENT, DraftBatch
+
+
+def max_tree_nodes(topk: int, max_depth: int) -> int:
+    """Nodes a tree of `max_depth` levels of `topk` children each can hold."""
+    return sum(topk**d for d in range(1, max_depth + 1))
+
+
+class BlockDrafter:
+    """A DFlash drafter growing trees of up to `num_nodes` nodes, `max_depth` deep
+    (at most `block_size - 1`), `topk` children per node, from one forward per step."""
+
+    child_sampling = ChildSampling.DETERMINISTIC_TOPK
+
+    def __init__(
+        self,
+        dcfg: dflash.DFlashConfig,
+        params: dict,
+        *,
+        num_slots: int,
+        max_model_len: int,
+        num_nodes: int,
+        max_depth: int,
+        topk: int,
+        vocab_limit: int,
+        num_blocks: int | None = None,  # paged KV pool (`blocks.num_blocks_for`); None = all
+        block_size: int = BLOCK_SIZE,
+    ):
+        self.dcfg = dcfg
+        self.params = params
+        self.cfg = dcfg.model
+        self.vocab_limit = vocab_limit
+        self.max_depth = min(max_depth, dcfg.block_size - 1)
+        self.topk = max(1, min(topk, vocab_limit))
+        self.max_nodes = min(num_nodes, max_tree_nodes(self.topk, self.max_depth))
+        self.target_layers = dcfg.target_layer_ids
+        self.num_slots = num_slots
+        # Committed tokens' context K/V (the root's never: its features come with the
+        # verify that reads it), plus one verify's worth while catching up.
+        self.max_len = max_model_len + self.max_nodes + 1
+        alloc = -(-self.max_len // block_size) * block_size
+        dtype = xla_layout.cache_dtype(params["fc"].dtype, paged=True)
+        self.token_bytes = transformer.token_bytes(self.cfg, dtype)
+        if num_blocks is None:
+            num_blocks = num_blocks_for(None, self.token_bytes, num_slots=num_slots,
+                                        max_len=self.max_len, block_size=block_size)  # fmt: skip
+        self.blocks = BlockAllocator(num_blocks, block_size, num_slots, alloc // block_size)
+        self._cache = PagedKVCache.create(self.cfg, num_slots, alloc, block_size=block_size,
+                                          num_blocks=num_blocks, dtype=dtype)  # fmt: skip
+        self._table_version = -1
+        self.ctx_lens = np.zeros(num_slots, np.int32)  # tokens with context K/V cached
+        self.reserved = np.zeros(num_slots, np.int32)
+        # Pending features: slot s's are rows keep[s, :count[s]] of the last verify's
+        # features, row `row[s]` (-1: none pending).
+        self._feats: jax.Array | None = None
+        self._row = np.full(num_slots, -1, np.int32)
+        self._keep = np.zeros((num_slots, self.max_nodes + 1), np.int32)
+        self._count = np.zeros(num_slots, np.int32)
+        self._target = None
+
+    # ------------------------------------------------------------------ wiring
+
+    def bind(self, target) -> None:
+        """Reads embeddings, LM head and features from this target worker (in process)."""
+        t_cfg = target.cfg
+        d = self.cfg.hidden_size
+        if t_cfg.hidden_size != d:
+            raise ValueError(
+                f"The DFlash drafter's hidden size ({d}) differs from the target's "
+                f"({t_cfg.hidden_size}); a DFlash drafter is trained for one target."
+            )
+        if self.dcfg.mask_token_id >= t_cfg.vocab_size:
+            raise ValueError(
+                f"The drafter's mask_token_id {self.dcfg.mask_token_id} is outside the "
+                f"target's vocabulary ({t_cfg.vocab_size} tokens)."
+            )
+        target.tap(self.target_layers)
+        self._target = target
+
+    @property
+    def cache(self) -> PagedKVCache:
+        b = self.blocks
+        if b.version != self._table_version:
+            self._cache = dataclasses.replace(self._cache, table=jnp.asarray(b.table))
+            self._table_version = b.version
+        return self._cache
+
+    def kv_capacity(self) -> tuple[int, int, int]:
+        """The context cache's (block size, blocks, positions per slot)."""
+        return self.blocks.block_size, self.blocks.num_blocks - 1, self.max_len
+
+    def reserve(self, slots, lengths) -> None:
+        """Rows grow to about `lengths` tokens: proposals read that many positions."""
+        self.reserved[np.asarray(slots, np.int64)] = np.minimum(lengths, KV_RESERVE_CAP)
+
+    def release(self, slot: int) -> None:
+        self.ctx_lens[slot] = 0
+        self.reserved[slot] = 0
+        self._row[slot] = -1
+        self._count[slot] = 0
+        self.blocks.free(slot)
+
+    # ------------------------------------------------------------------ steps
+
+    def start(self, slots, prompts, roots) -> None:
+        """The prompts' features (the target's prefill just kept them) become context."""
+        if self._target is None:
+            raise RuntimeError("BlockDrafter.bind(target) must run before start().")
+        self._flush()
+        wanted = {int(s) for s in slots}
+        for chunk in self._target.runner.prefill_features:
+            if chunk.slot not in wanted:
+                continue
+            self.blocks.ensure(chunk.slot, chunk.start + chunk.count)
+            self._cache = _ingest(
+                self.params, self.cache, chunk.rows[None], np.array([chunk.slot], np.int32),
+                np.array([chunk.start], np.int32), dcfg=self.dcfg,
+            )  # fmt: skip
+        for s, p in zip(slots, prompts, strict=True):
+            self.ctx_lens[s] = len(p)
+            self._row[s] = -1
+            self._count[s] = 0
+
+    def propose(self, active, roots, sampling: SamplingBatch) -> DraftBatch:
+        active = np.asarray(active, bool)
+        slots = live_rows(active, self.num_slots)
+        live = slots[slots >= 0]
+        take = np.maximum(slots, 0)
+        m = self.max_nodes + 1
+        rows = np.where(slots >= 0, self._row[take], -1)
+        count = np.where(rows >= 0, self._count[take], 0).astype(np.int32)
+        keep = self._keep[take]
+        for s, c in zip(live, count[: len(live)], strict=True):
+            self.blocks.ensure(int(s), int(self.ctx_lens[s] + c + 1))
+        feats = self._feats
+        if feats is None:  # nothing pending anywhere: one all-zero row stands in
+            feats = jnp.zeros((1, m, len(self.target_layers) * self.cfg.hidden_size))
+        needed = int(self.ctx_lens[live].max(initial=0))  # the cache is read below these
+        kv_len = kv_bucket(max(needed, int(self.reserved[live].max(initial=0))), self.max_len)
+        target = self._target.runner
+        tokens, parents, self._cache = _propose(
+            self.params, target.params, self.cache, feats, np.maximum(rows, 0), keep, count,
+            slots, self.ctx_lens[take], np.asarray(roots, np.int32)[take],
+            dcfg=self.dcfg, target_cfg=target.cfg, layout=target.layout, kv_len=kv_len,
+            num_nodes=self.max_nodes, max_depth=self.max_depth, topk=self.topk,
+            vocab_limit=self.vocab_limit, num_slots=self.num_slots,
+        )  # fmt: skip
+        self.ctx_lens[live] += count[: len(live)]
+        self._row[live] = -1
+        self._count[live] = 0
+        self._feats = None
+        return DraftBatch(tokens, parents, None, self.child_sampling)
+
+    def commit(self, active, accepted_nodes, num_accepted, emitted) -> None:
+        """The root and the accepted nodes' features (the verify just kept them) are
+        pending until the next `propose`."""
+        features = self._target.features
+        if features is None:
+            raise RuntimeError("The target kept no features: was bind(target) run?")
+        self._flush()
+        rows, feats = features
+        active = np.asarray(active, bool)
+        for i, s in enumerate(rows):
+            if s < 0 or not active[s]:
+                continue
+            n = int(num_accepted[s])
+            self._row[s] = i
+            self._count[s] = n + 1
+            self._keep[s, 0] = 0
+            self._keep[s, 1 : n + 1] = np.asarray(accepted_nodes[s, :n]) + 1
+        self._feats = feats
+
+    def _flush(self) -> None:
+        """Writes pending features' context K/V now (a commit with no propose after it)."""
+        pend = np.flatnonzero(self._row >= 0)
+        if not len(pend):
+            return
+        feats = self._feats
+        for s in pend:
+            c = int(self._count[s])
+            self.blocks.ensure(int(s), int(self.ctx_lens[s]) + c)
+            rows = feats[self._row[s]][self._keep[s, :c]]
+            self._cache = _ingest(
+                self.params, self.cache, rows[None], np.array([s], np.int32),
+                np.array([self.ctx_lens[s]], np.int32), dcfg=self.dcfg,
+            )  # fmt: skip
+            self.ctx_lens[s] += c
+            self._row[s] = -1
+            self._count[s] = 0
+        self._feats = None
+
+
+def _context_kv_at(dcfg, params, feats, positions):
+    """Context K/V [L, B, C, K, hd] of target features f32[B, C, n x D] at positions."""
+    ctx = dflash.context_rows(dcfg, params, feats.astype(jnp.float32))
+    return dflash.context_kv(dcfg, params, ctx, positions)
+
+
+@functools.partial(jax.jit, static_argnames=("dcfg",), donate_argnames=("cache",))
+def _ingest(params, cache, feats, slots, starts, *, dcfg):
+    """Context K/V of features f32[B, C, F] written at positions starts[b] .. of slots[b]
+    (positions past a row's real count land beyond its length or in the null block)."""
+    c = feats.shape[1]
+    positions = starts[:, None] + jnp.arange(c, dtype=jnp.int32)[None]
+    ks, vs = _context_kv_at(dcfg, params, feats, positions)
+    return transformer.write_kv(cache, ks, vs, slots, starts)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "dcfg",
+        "target_cfg",
+        "layout",
+        "kv_len",
+        "num_nodes",
+        "max_depth",
+        "topk",
+        "vocab_limit",
+        "num_slots",
+    ),  # fmt: skip
+    donate_argnames=("cache",),
+)
+def _propose(params, target_params, cache, feats, rows, keep, count, slots, ctx_lens, roots, *,
+             dcfg, target_cfg, layout, kv_len, num_nodes, max_depth, topk, vocab_limit,
+             num_slots):  # fmt: skip
+    """Catch-up, block forward and best-first tree (module docstring) over the live
+    rows (row b is slot slots[b], -1 padding). Returns tokens and parents i32[S, N]
+    per slot (slots not run: empty trees) and the cache."""
+    b, m = keep.shape
+    # 1. Catch up: pending features -> context K/V at ctx_lens .. (+ count), written.
+    pend = feats[rows[:, None], keep]  # [B, M, F]
+    pend_pos = ctx_lens[:, None] + jnp.arange(m, dtype=jnp.int32)[None]
+    pk, pv = _context_kv_at(dcfg, params, pend, pend_pos)
+    # 2. Block: the cache below ctx_lens, the pending rows, then the block itself.
+    blocks = paged.row_tables(cache.table, slots, -(-kv_len // cache.block_size))
+    t = jnp.arange(kv_len)
+    # Zero past each row's length: stale entries there must not meet a 0 weight as NaN.
+    fresh = (t[None] < ctx_lens[:, None])[:, None, :, None]
+    read = transformer.REFERENCE.cache_rows
+    cached_k = jnp.stack([read(cache.k, i, blocks, kv_len, fresh)
+                          for i in range(dcfg.model.num_layers)])  # fmt: skip
+    cached_v = jnp.stack([read(cache.v, i, blocks, kv_len, fresh)
+                          for i in range(dcfg.model.num_layers)])  # fmt: skip
+    # [L, B, K, T, hd] -> [L, B, T, K, hd], then the pending rows after them.
+    keys = jnp.concatenate([cached_k.transpose(0, 1, 3, 2, 4).astype(jnp.float32), pk], axis=2)
+    values = jnp.concatenate([cached_v.transpose(0, 1, 3, 2, 4).astype(jnp.float32), pv], axis=2)
+    valid = jnp.concatenate([t[None] < ctx_lens[:, None],
+                             jnp.arange(m)[None] < count[:, None]], axis=1)  # fmt: skip
+    root_pos = ctx_lens + count
+    q = dcfg.block_size
+    block_tokens = jnp.concatenate(
+        [roots[:, None], jnp.full((b, q - 1), dcfg.mask_token_id, jnp.int32)], axis=1
+    )
+    emb = target_params["embed"][block_tokens].astype(jnp.float32) * dcfg.input_embedding_scale
+    block_pos = root_pos[:, None] + jnp.arange(q, dtype=jnp.int32)[None]
+    hidden = dflash.forward_kv(dcfg, params, keys, values, valid, emb, block_pos)
+    logits = transformer.head_logits(target_cfg, target_params, hidden[:, 1 : 1 + max_depth],
+                                     layout)  # fmt: skip
+    logits = dflash.draft_logits(dcfg, logits)
+    logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
+    logp, cand = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), topk)  # [B, D, k]
+    tokens, parents = jax.vmap(
+        functools.partial(best_first, num_nodes=num_nodes, max_depth=max_depth)
+    )(logp, cand)
+    cache = transformer.write_kv(cache, pk, pv, slots, ctx_lens)
+    idx = jnp.where(slots >= 0, slots, num_slots)
+    out_t = jnp.zeros((num_slots, num_nodes), jnp.int32).at[idx].set(tokens, mode="drop")
+    out_p = (
+        jnp.full((num_slots, num_nodes), PAD_PARENT, jnp.int32).at[idx].set(parents, mode="drop")
+    )
+    return out_t, out_p, cache
+
+
+def best_first(logp: jax.Array, cand: jax.Array, *, num_nodes: int, max_depth: int):
+    """One tree from per-position candidates: logp f32[D, k] (descending per row), cand
+    i32[D, k] -> tokens, parents i32[num_nodes] (-1 = child of the root), topological.
+
+    Node 0 of the state is the root; each round adds the best child not yet taken of
+    any node (score: path log-probability; ties to the earlier node). Example (k = 2,
+    logp [[-0.1, -2.5], [-0.2, -1.9]], 3 nodes): the root's best child (-0.1), its best
+    child (-0.3), then that first node's second child (-0.1 - 1.9 = -2.0) before the
+    root's second (-2.5): parents [-1, 0, 0]."""
+    k = logp.shape[1]
+    n1 = num_nodes + 1
+    score = jnp.full((n1,), -jnp.inf).at[0].set(0.0)
+    depth = jnp.zeros((n1,), jnp.int32)
+    rank = jnp.zeros((n1,), jnp.int32)  # the next child each node offers
+    tokens = jnp.zeros((num_nodes,), jnp.int32)
+    parents = jnp.full((num_nodes,), PAD_PARENT, jnp.int32)
+
+    def add(i, carry):
+        score, depth, rank, tokens, parents = carry
+        open_ = (depth < max_depth) & (rank < k) & (score > -jnp.inf)
+        d = jnp.minimum(depth, max_depth - 1)
+        r = jnp.minimum(rank, k - 1)
+        offer = jnp.where(open_, score + logp[d, r], -jnp.inf)
+        p = jnp.argmax(offer)
+        ok = offer[p] > -jnp.inf
+        node = i + 1
+        score = score.at[node].set(jnp.where(ok, offer[p], -jnp.inf))
+        depth = depth.at[node].set(depth[p] + 1)
+        rank = rank.at[p].add(ok.astype(jnp.int32))
+        tokens = tokens.at[i].set(jnp.where(ok, cand[d[p], r[p]], 0))
+        parents = parents.at[i].set(jnp.where(ok, p - 1, PAD_PARENT))
+        return score, depth, rank, tokens, parents
+
+    carry = (score, depth, rank, tokens, parents)
+    carry = jax.lax.fori_loop(0, num_nodes, add, carry)
+    return carry[3], carry[4]
+
+
+__all__ = ["BlockDrafter", "best_first", "max_tree_nodes"]
