@@ -2,7 +2,9 @@
 
 Greedy, 128 new tokens, batch 1 and batch 8; plain AR, chain speculation
 (topk=1), an 8-node tree, a 16-node tree, the tree `num_speculative_tokens="auto"`
-sizes for this machine (what `specdec generate` runs) and n-gram speculation,
+sizes for this machine (what `specdec generate` runs), n-gram speculation and the
+DFlash block drafter at the 8- and 16-node budgets (with `--dflash`'s folder; the
+bundled one by default), with each drafter's time per step (propose + commit),
 in float32 and bfloat16 weights, all measured in one run: tokens/s end to end (prefill
 included) and in decode alone (after each request's first token), acceptance
 length and rate, and speedups over AR at the same batch size, both over AR in
@@ -27,7 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
+from pathlib import Path
 
+import jax
 from common import DEMO, Timer, describe_machine, heldout_prompts, machine
 
 from specdec import LLM, SamplingParams
@@ -35,6 +40,7 @@ from specdec import LLM, SamplingParams
 
 def methods(draft: str, args) -> dict[str, dict | None]:
     model = {"method": "draft_model", "model": draft}
+    block = {"method": "dflash", "model": args.dflash}
     return {
         "ar": None,
         "chain": {**model, "num_speculative_tokens": args.chain_depth,
@@ -45,10 +51,38 @@ def methods(draft: str, args) -> dict[str, dict | None]:
                    "topk": args.topk16},
         "auto": {**model, "num_speculative_tokens": "auto"},  # what `specdec generate` uses
         "ngram": {"method": "ngram", "num_speculative_tokens": 8, "max_depth": 4, "topk": 2},
+        # The DFlash block drafter at the model drafter's node budgets ("tree", "tree16").
+        "dflash": {**block, "num_speculative_tokens": args.tree_nodes,
+                   "max_depth": args.dflash_depth, "topk": args.topk},
+        "dflash16": {**block, "num_speculative_tokens": 16, "max_depth": args.dflash_depth,
+                     "topk": args.topk16},
     }  # fmt: skip
 
 
 COUNTERS = ("num_drafts", "num_accepted_tokens", "num_draft_tokens")
+
+
+class DraftClock:
+    """Time spent in a drafter's `propose` (until its tree is computed) and `commit`."""
+
+    def __init__(self, drafter):
+        self.seconds, self.steps = 0.0, 0
+        propose, commit = drafter.propose, drafter.commit
+
+        def timed_propose(*a, **k):
+            t0 = time.perf_counter()
+            tree = propose(*a, **k)
+            jax.block_until_ready((tree.tokens, tree.parents))
+            self.seconds += time.perf_counter() - t0
+            self.steps += 1
+            return tree
+
+        def timed_commit(*a, **k):
+            t0 = time.perf_counter()
+            commit(*a, **k)
+            self.seconds += time.perf_counter() - t0
+
+        drafter.propose, drafter.commit = timed_propose, timed_commit
 
 
 def decode_seconds(outs) -> float:
@@ -66,9 +100,12 @@ def decode_seconds(outs) -> float:
 def run_once(llm, prompts, params) -> dict:
     """One timed pass of `llm` over every prompt."""
     before = llm.get_metrics()
+    clock = getattr(llm, "draft_clock", None)
+    drafted = (clock.seconds, clock.steps) if clock else (0.0, 0)
     with Timer() as t:
         outs = llm.generate(prompts, params, use_tqdm=False)
     after = llm.get_metrics()
+    steps = clock.steps - drafted[1] if clock else 0
     n_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "tokens": n_tokens,
@@ -76,6 +113,7 @@ def run_once(llm, prompts, params) -> dict:
         "tokens_per_s": n_tokens / t.seconds,
         "decode_tokens_per_s": (n_tokens - len(outs)) / decode_seconds(outs),
         **{k: after[k] - before[k] for k in COUNTERS},
+        "draft_ms_per_step": 1e3 * (clock.seconds - drafted[0]) / steps if steps else None,
         "outputs": [o.outputs[0].token_ids for o in outs],
     }
 
@@ -116,6 +154,9 @@ def summarise(runs: dict[tuple, list[dict]]) -> dict[tuple, dict]:
         drafted = sum(r["num_draft_tokens"] for r in rs)
         res["acceptance_length"] = 1 + accepted / drafts if drafts else None
         res["acceptance_rate"] = accepted / drafted if drafted else None
+        res["draft_ms_per_step"] = (
+            med(r["draft_ms_per_step"] for r in rs) if rs[0]["draft_ms_per_step"] else None
+        )
         res["tokens"] = rs[0]["tokens"]
         res["rounds_tokens_per_s"] = [r["tokens_per_s"] for r in rs]
         res["same_output_as_ar"] = ar is None or all(
@@ -142,9 +183,12 @@ def main() -> None:
     ap.add_argument("--depth16", type=int, default=8, help="depth of the 16-node tree")
     ap.add_argument("--topk16", type=int, default=2, help="width of the 16-node tree")
     ap.add_argument("--chain-depth", type=int, default=4, help="chain length (topk 1)")
-    ap.add_argument("--methods", nargs="+",
-                    default=["ar", "chain", "tree", "tree16", "auto", "ngram"],
-                    choices=["ar", "chain", "tree", "tree16", "auto", "ngram"])  # fmt: skip
+    ap.add_argument("--dflash", default=str(DEMO / "dflash"), help="DFlash drafter folder")
+    ap.add_argument("--dflash-depth", type=int, default=7,
+                    help="DFlash tree depth (at most its block size - 1)")  # fmt: skip
+    names = ["ar", "chain", "tree", "tree16", "auto", "ngram", "dflash", "dflash16"]
+    ap.add_argument("--methods", nargs="+", default=None, choices=names,
+                    help="default: all (the dflash ones when --dflash exists)")  # fmt: skip
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                     choices=["float32", "bfloat16"])  # fmt: skip
     ap.add_argument(
@@ -158,6 +202,8 @@ def main() -> None:
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
 
+    if args.methods is None:
+        args.methods = [m for m in names if Path(args.dflash).is_dir() or "dflash" not in m]
     prompts = heldout_prompts(args.num_prompts)
     specs = methods(args.draft, args)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens,
@@ -168,6 +214,9 @@ def main() -> None:
         engines = {(name, batch, dtype): LLM(args.target, max_num_seqs=batch, max_model_len=1024,
                                              speculative_config=specs[name], dtype=dtype)
                    for dtype in args.dtypes for name in args.methods}  # fmt: skip
+        for llm in engines.values():
+            if llm.engine.drafter is not None:
+                llm.draft_clock = DraftClock(llm.engine.drafter)
         results |= summarise(measure(engines, prompts, params, args.rounds))
         del engines
     print(describe_machine())
@@ -175,7 +224,7 @@ def main() -> None:
           f"{args.rounds} rounds; x = speedup over AR in the same dtype, best = over the "
           "faster AR dtype (medians of per-round ratios)")  # fmt: skip
     header = ("method", "batch", "dtype", "tok/s", "x", "best", "dec.tok/s", "x", "best",
-              "acc.len", "acc.rate")  # fmt: skip
+              "acc.len", "acc.rate", "draft.ms")  # fmt: skip
     print(f"{header[0]:8s} " + " ".join(f"{h:>9s}" for h in header[1:]))
 
     def fmt(v, spec):
@@ -186,7 +235,8 @@ def main() -> None:
         cells = (batch, dtype[:4], fmt(r["tokens_per_s"], ".1f"), fmt(r["speedup_vs_ar"], ".2f"),
                  fmt(r["speedup_vs_best_ar"], ".2f"), fmt(r["decode_tokens_per_s"], ".1f"),
                  fmt(r["decode_speedup_vs_ar"], ".2f"), fmt(r["decode_speedup_vs_best_ar"], ".2f"),
-                 fmt(r["acceptance_length"], ".2f"), fmt(r["acceptance_rate"], ".2f"))  # fmt: skip
+                 fmt(r["acceptance_length"], ".2f"), fmt(r["acceptance_rate"], ".2f"),
+                 fmt(r["draft_ms_per_step"], ".2f"))  # fmt: skip
         print(f"{name:8s} " + " ".join(f"{c!s:>9s}" for c in cells)
               + ("" if r["same_output_as_ar"] else "  OUTPUT DIFFERS FROM AR"))  # fmt: skip
         spec = specs[name]

@@ -215,3 +215,52 @@ def test_phase3_dtype_setting():
     # float32 generation steps run through Eigen on CPU; bfloat16 ones keep XLA's default.
     assert gen.step_library(jnp.float32) == "eigen"
     assert gen.step_library(jnp.bfloat16) == "default"
+
+
+DFLASH_SCRIPT = SCRIPT.parent / "train_dflash.py"
+
+
+def test_dflash_training_exports_a_drafter_both_loaders_read(tmp_path):
+    """scripts/train_dflash.py --smoke on the bundled target: the export loads in
+    specdec and in the `dflash` package (same forward), and drafts in the engine
+    (greedy output equal to plain decoding); a rerun resumes instead of retraining."""
+    import dflash.model as dflash_pkg
+    import torch
+
+    from specdec import LLM, SamplingParams
+    from specdec.draft import dflash
+
+    run, export = tmp_path / "run", tmp_path / "export"
+    cmd = [sys.executable, str(DFLASH_SCRIPT), "--run-dir", str(run), "--export-dir",
+           str(export), "--smoke"]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    metrics = json.loads((export / "training.json").read_text())["heldout"]
+    assert 0 <= metrics["greedy_chain_tokens_per_step"] <= 4
+    dcfg, params = dflash.load(export)
+    assert dcfg.block_size == 4 and dcfg.target_layer_ids == (0, 1)
+    model = dflash_pkg.DFlashDraftModel.from_pretrained(export, dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    d = dcfg.model.hidden_size
+    feats = rng.standard_normal((1, 5, 2 * d)).astype(np.float32)
+    block = rng.standard_normal((1, 4, d)).astype(np.float32)
+    pos = np.arange(9)[None]
+    with torch.no_grad():
+        want = model(position_ids=torch.from_numpy(pos), noise_embedding=torch.from_numpy(block),
+                     target_hidden=torch.from_numpy(feats)).numpy()  # fmt: skip
+    ctx = dflash.context_rows(dcfg, params, jnp.asarray(feats))
+    got = dflash.forward(dcfg, params, ctx, jnp.asarray(block), jnp.asarray(pos))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
+    target = SCRIPT.parents[1] / "specdec" / "assets" / "demo" / "target"
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    spec = {"method": "dflash", "model": str(export), "num_speculative_tokens": 6, "max_depth": 3,
+            "topk": 2}  # fmt: skip
+    got = LLM(target, max_model_len=256, max_num_seqs=2, speculative_config=spec)
+    plain = LLM(target, max_model_len=256, max_num_seqs=2)
+    prompts = ["def fib(n):", "import os\n"]
+    assert [o.outputs[0].token_ids for o in got.generate(prompts, greedy, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and "resumed from" in (run / "progress.log").read_text()
