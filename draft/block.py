@@ -18,7 +18,10 @@ One `propose` is one jitted call over the live rows:
    is the sum of its path's draft log-probabilities; each of `num_nodes` rounds
    adds the best child not yet taken of any node (children of a node at depth
    d are position d + 1's top-k, in order), at most `max_depth` deep, `topk`
-   children per node. `topk=1` is DFlash's chain.
+   children per node. `topk=1` is DFlash's chain. A DFlash2 drafter ranks a
+   node's children (position d + 1's `selector_top_k` candidates) by its
+   selector's scores after the node's own token, so `topk=1` is its greedy
+   path.
 
 Children are chosen deterministically from q, so the target verifies them
 with the draw-and-match rule (`ChildSampling.DETERMINISTIC_TOPK`), exact for
@@ -82,6 +85,8 @@ class BlockDrafter:
         self.vocab_limit = vocab_limit
         self.max_depth = min(max_depth, dcfg.block_size - 1)
         self.topk = max(1, min(topk, vocab_limit))
+        if dcfg.is_dflash2:  # children come from the selector's candidates
+            self.topk = min(self.topk, dcfg.selector_top_k)
         self.max_nodes = min(num_nodes, max_tree_nodes(self.topk, self.max_depth))
         self.target_layers = dcfg.target_layer_ids
         self.num_slots = num_slots
@@ -309,10 +314,15 @@ def _propose(params, target_params, cache, feats, rows, keep, count, slots, ctx_
                                      layout)  # fmt: skip
     logits = dflash.draft_logits(dcfg, logits)
     logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
-    logp, cand = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), topk)  # [B, D, k]
-    tokens, parents = jax.vmap(
-        functools.partial(best_first, num_nodes=num_nodes, max_depth=max_depth)
-    )(logp, cand)
+    shape = dict(num_nodes=num_nodes, max_depth=max_depth)
+    if dcfg.is_dflash2:  # children ranked by the selector, after their parent's token
+        unary, cand, proj = dflash.selector_inputs(dcfg, params, hidden[:, 1 : 1 + max_depth],
+                                                   logits)  # fmt: skip
+        grow = functools.partial(selector_tree, params, **shape, topk=topk)
+        tokens, parents = jax.vmap(grow)(unary, cand, proj, roots)
+    else:
+        logp, cand = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), topk)  # [B, D, k]
+        tokens, parents = jax.vmap(functools.partial(grid_tree, **shape))(logp, cand)
     cache = transformer.write_kv(cache, pk, pv, slots, ctx_lens)
     idx = jnp.where(slots >= 0, slots, num_slots)
     out_t = jnp.zeros((num_slots, num_nodes), jnp.int32).at[idx].set(tokens, mode="drop")
@@ -322,17 +332,18 @@ def _propose(params, target_params, cache, feats, rows, keep, count, slots, ctx_
     return out_t, out_p, cache
 
 
-def best_first(logp: jax.Array, cand: jax.Array, *, num_nodes: int, max_depth: int):
-    """One tree from per-position candidates: logp f32[D, k] (descending per row), cand
-    i32[D, k] -> tokens, parents i32[num_nodes] (-1 = child of the root), topological.
+def best_first(children, root, *, num_nodes: int, max_depth: int, topk: int):
+    """One tree, best-first: tokens, parents i32[num_nodes] (-1 = child of the root,
+    padding PAD_PARENT), in topological order.
 
-    Node 0 of the state is the root; each round adds the best child not yet taken of
-    any node (score: path log-probability; ties to the earlier node). Example (k = 2,
-    logp [[-0.1, -2.5], [-0.2, -1.9]], 3 nodes): the root's best child (-0.1), its best
-    child (-0.3), then that first node's second child (-0.1 - 1.9 = -2.0) before the
-    root's second (-2.5): parents [-1, 0, 0]."""
-    k = logp.shape[1]
+    `children(d, token)` gives the children of a node at depth d (the root: 0) whose
+    token is `token`: (log-probabilities f32[topk], descending, and tokens i32[topk]).
+    Each round adds the best child not yet taken of any node (score: the path's summed
+    log-probability; ties to the earlier node), at most `max_depth` deep."""
     n1 = num_nodes + 1
+    lp0, tok0 = children(0, root)
+    child_lp = jnp.full((n1, topk), -jnp.inf).at[0].set(lp0)
+    child_tok = jnp.zeros((n1, topk), jnp.int32).at[0].set(tok0)
     score = jnp.full((n1,), -jnp.inf).at[0].set(0.0)
     depth = jnp.zeros((n1,), jnp.int32)
     rank = jnp.zeros((n1,), jnp.int32)  # the next child each node offers
@@ -340,24 +351,51 @@ def best_first(logp: jax.Array, cand: jax.Array, *, num_nodes: int, max_depth: i
     parents = jnp.full((num_nodes,), PAD_PARENT, jnp.int32)
 
     def add(i, carry):
-        score, depth, rank, tokens, parents = carry
-        open_ = (depth < max_depth) & (rank < k) & (score > -jnp.inf)
-        d = jnp.minimum(depth, max_depth - 1)
-        r = jnp.minimum(rank, k - 1)
-        offer = jnp.where(open_, score + logp[d, r], -jnp.inf)
+        score, depth, rank, child_lp, child_tok, tokens, parents = carry
+        open_ = (depth < max_depth) & (rank < topk) & (score > -jnp.inf)
+        r = jnp.minimum(rank, topk - 1)
+        offer = jnp.where(open_, score + child_lp[jnp.arange(n1), r], -jnp.inf)
         p = jnp.argmax(offer)
         ok = offer[p] > -jnp.inf
         node = i + 1
+        tok = child_tok[p, r[p]]
+        lp, kids = children(jnp.minimum(depth[p] + 1, max_depth - 1), tok)
         score = score.at[node].set(jnp.where(ok, offer[p], -jnp.inf))
         depth = depth.at[node].set(depth[p] + 1)
         rank = rank.at[p].add(ok.astype(jnp.int32))
-        tokens = tokens.at[i].set(jnp.where(ok, cand[d[p], r[p]], 0))
+        child_lp = child_lp.at[node].set(lp)
+        child_tok = child_tok.at[node].set(kids)
+        tokens = tokens.at[i].set(jnp.where(ok, tok, 0))
         parents = parents.at[i].set(jnp.where(ok, p - 1, PAD_PARENT))
-        return score, depth, rank, tokens, parents
+        return score, depth, rank, child_lp, child_tok, tokens, parents
 
-    carry = (score, depth, rank, tokens, parents)
+    carry = (score, depth, rank, child_lp, child_tok, tokens, parents)
     carry = jax.lax.fori_loop(0, num_nodes, add, carry)
-    return carry[3], carry[4]
+    return carry[5], carry[6]
 
 
-__all__ = ["BlockDrafter", "best_first", "max_tree_nodes"]
+def grid_tree(logp: jax.Array, cand: jax.Array, *, num_nodes: int, max_depth: int):
+    """`best_first` when a node's children depend on its depth only (DFlash): logp
+    f32[D, k] (descending per row) and tokens i32[D, k] per position after the root.
+    Example (k = 2, logp [[-0.1, -2.5], [-0.2, -1.9]], 3 nodes): the root's best child
+    (-0.1), its best child (-0.3), then that first node's second child (-0.1 - 1.9 =
+    -2.0) before the root's second (-2.5): parents [-1, 0, 0]."""
+    return best_first(lambda d, _: (logp[d], cand[d]), jnp.int32(0), num_nodes=num_nodes,
+                      max_depth=max_depth, topk=logp.shape[1])  # fmt: skip
+
+
+def selector_tree(params, unary, cand, proj, root, *, num_nodes: int, max_depth: int,
+                  topk: int):  # fmt: skip
+    """`best_first` with DFlash2's selector: a node's children are position d's
+    candidates ranked by their scores after the node's own token, as log-probabilities
+    over those candidates (unary, cand f32 / i32[D, K], proj f32[D, r])."""
+
+    def children(d, token):
+        s = dflash.selector_scores(params, unary[d], cand[d], proj[d], token)
+        lp, idx = jax.lax.top_k(jax.nn.log_softmax(s), topk)
+        return lp, cand[d][idx]
+
+    return best_first(children, root, num_nodes=num_nodes, max_depth=max_depth, topk=topk)
+
+
+__all__ = ["BlockDrafter", "best_first", "grid_tree", "max_tree_nodes", "selector_tree"]

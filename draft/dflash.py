@@ -21,8 +21,12 @@ A DFlash drafter proposes a whole block in one forward, conditioned on the targe
 The config is a Qwen3 config with the DFlash fields either at top level or in a
 `dflash_config` object (the package reads the latter first). Without
 `target_layer_ids`, the package's rule derives them from `num_target_layers`
-(`default_target_layer_ids`). DFlash2's extra modules (per-layer dynamic
-convolutions, a candidate selector) are refused by name for now.
+(`default_target_layer_ids`). DFlash2 (`DFlash2DraftModel`) adds, per layer, a
+grouped dynamic causal convolution along the block's rows before and after
+attention and the MLP (kernels = a learned base + a projection of the
+sub-layer's input), and a candidate selector: at each block row the top
+`selector_top_k` tokens by draft logit, rescored by a low-rank bilinear term
+in the previous token and the row's state (`selector_scores`).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from safetensors.numpy import load_file
 from specdec.kernels import transformer
 from specdec.kernels.config import Architecture, ModelConfig
 
-ARCHITECTURES = ("DFlashDraftModel",)
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +61,16 @@ class DFlashConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     causal: tuple[bool, ...] = ()  # per layer; empty = bidirectional everywhere
+    # DFlash2: per-layer grouped dynamic convolutions along the block, and a
+    # candidate selector (0 = DFlash, none of them).
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.selector_rank > 0
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -103,16 +117,18 @@ def _qwen3_layers(hf: dict) -> ModelConfig:
 def config_from_hf(hf: dict) -> DFlashConfig:
     """`DFlashConfig` from a DFlash folder's parsed config.json."""
     names = hf.get("architectures") or []
-    if names and names[0] not in ARCHITECTURES:
+    if names and names[0] not in ARCHITECTURES:  # no name: read as DFlash
         raise ValueError(
             f"Not a DFlash drafter: architectures[0] is {names[0]!r}; supported: "
             f"{list(ARCHITECTURES)}."
         )
-    for name in ("conv_kernel_size", "selector_rank"):
-        if _field(hf, name) is not None:
-            raise ValueError(
-                f"DFlash2 drafters ({name} set) are not supported yet; use a DFlash drafter."
-            )
+    v2 = bool(names) and names[0] == "DFlash2DraftModel"
+    keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    v2_fields = {k: int(_field(hf, k) or 0) for k in keys}
+    if v2 and min(v2_fields.values()) <= 0:
+        raise ValueError(f"A DFlash2 config needs positive {sorted(v2_fields)}; got {v2_fields}.")
+    if not v2:
+        v2_fields = {}
     model = _qwen3_layers(hf)
     layers = model.num_layers
     ids = _field(hf, "target_layer_ids")
@@ -142,7 +158,7 @@ def config_from_hf(hf: dict) -> DFlashConfig:
         input_embedding_scale=float(_field(hf, "input_embedding_scale", 1.0)),
         output_multiplier=float(_field(hf, "output_multiplier", 1.0)),
         final_logit_softcapping=float(softcap) if softcap else None,
-        causal=causal if any(causal) else (),
+        causal=causal if any(causal) else (), **v2_fields,
     )  # fmt: skip
 
 
@@ -193,12 +209,32 @@ def load(path: str | os.PathLike, dtype: str = "float32") -> tuple[DFlashConfig,
             "w_up": take(p + "mlp.up_proj.weight", True),
             "w_down": take(p + "mlp.down_proj.weight", True),
         })  # fmt: skip
+    if dcfg.is_dflash2:
+        d = dcfg.model.hidden_size
+        if d % dcfg.conv_group_size:
+            raise ValueError(f"conv_group_size {dcfg.conv_group_size} must divide the hidden "
+                             f"size {d}.")  # fmt: skip
+        for i, lp in enumerate(layers):
+            for conv in ("attention_conv", "mlp_conv"):
+                p = f"layers.{i}.{conv}."
+                lp[conv] = {"base": take(p + "base_kernel"),  # [2, K, D]
+                            "proj": take(p + "kernel_projection.weight", True)}  # fmt: skip
     params = {
         "layers": tuple(layers),
         "fc": take("fc.weight", True),
         "hidden_norm": take("hidden_norm.weight"),
         "norm": take("norm.weight"),
     }
+    if dcfg.is_dflash2:
+        sel = "candidate_selector."
+        for name in ("predecessor_codebook", "successor_codebook"):
+            if sel + name in raw:  # published checkpoints name the tables without .weight
+                raw[sel + name + ".weight"] = raw.pop(sel + name)
+        params["selector"] = {
+            "pred": take(sel + "predecessor_codebook.weight"),  # [V, r]
+            "succ": take(sel + "successor_codebook.weight"),
+            "proj": take(sel + "hidden_projection.weight", True),  # [D, r]
+        }
     d = dcfg.model.hidden_size
     want = len(dcfg.target_layer_ids) * d
     if params["fc"].shape != (want, d):
@@ -266,6 +302,8 @@ def forward_kv(
     x = block.astype(jnp.float32)
     for i, lp in enumerate(params["layers"]):
         h = transformer.rms_norm(x, lp["attn_norm"], eps)
+        if "attention_conv" in lp:  # DFlash2: convolve the block's rows before and after
+            h, after = _conv_prepare(dcfg, lp["attention_conv"], h)
         q = transformer.matmul(h, lp["wq"]).reshape(b, q_len, h_q, hd)
         k = transformer.matmul(h, lp["wk"]).reshape(b, q_len, h_k, hd)
         v = transformer.matmul(h, lp["wv"]).reshape(b, q_len, h_k, hd)
@@ -280,11 +318,59 @@ def forward_kv(
         mask = visible & causal if dcfg.causal and dcfg.causal[i] else visible
         s = jnp.where(mask[:, None, None], s, -jnp.inf)
         attn = jnp.einsum("bkgqt,btkd->bqkgd", jax.nn.softmax(s, axis=-1), v)
-        x = x + transformer.matmul(attn.reshape(b, q_len, h_q * hd), lp["wo"])
+        o = transformer.matmul(attn.reshape(b, q_len, h_q * hd), lp["wo"])
+        if "attention_conv" in lp:
+            o = _convolve(dcfg, o, after, lp["attention_conv"]["base"][1])
+        x = x + o
         m = transformer.rms_norm(x, lp["mlp_norm"], eps)
+        if "mlp_conv" in lp:
+            m, after = _conv_prepare(dcfg, lp["mlp_conv"], m)
         gate, up = transformer.matmul(m, lp["w_gate"]), transformer.matmul(m, lp["w_up"])
-        x = x + transformer.matmul(jax.nn.silu(gate) * up, lp["w_down"])
+        o = transformer.matmul(jax.nn.silu(gate) * up, lp["w_down"])
+        if "mlp_conv" in lp:
+            o = _convolve(dcfg, o, after, lp["mlp_conv"]["base"][1])
+        x = x + o
     return transformer.rms_norm(x, params["norm"], eps)
+
+
+def _convolve(dcfg: DFlashConfig, h: jax.Array, dynamic: jax.Array, base: jax.Array):
+    """DFlash2's grouped dynamic causal convolution along the block's rows:
+    out[t, g*s + j] = sum_o (base[o, g*s + j] + dynamic[t, o, g]) * h[t - o, g*s + j]
+    (h [B, Q, D], dynamic [B, Q, K, G], base [K, D]; rows before the block are zero)."""
+    b, q, d = h.shape
+    k, g = dynamic.shape[2], d // dcfg.conv_group_size
+    out = jnp.zeros_like(h)
+    for o in range(k):
+        shifted = jnp.pad(h, ((0, 0), (o, 0), (0, 0)))[:, :q]
+        per_col = base[o][None, None] + jnp.repeat(dynamic[:, :, o], d // g, axis=-1)
+        out = out + per_col * shifted
+    return out
+
+
+def _conv_prepare(dcfg: DFlashConfig, conv: dict, h: jax.Array):
+    """The convolution before a sub-layer, and the dynamic kernel its twin after the
+    sub-layer uses (both projected from the sub-layer's normed input h)."""
+    b, q, d = h.shape
+    k, g = dcfg.conv_kernel_size, d // dcfg.conv_group_size
+    dyn = transformer.matmul(h, conv["proj"]).reshape(b, q, 2, k, g)
+    return _convolve(dcfg, h, dyn[:, :, 0], conv["base"][0]), dyn[:, :, 1]
+
+
+def selector_inputs(dcfg: DFlashConfig, params: dict, hidden: jax.Array, logits: jax.Array):
+    """DFlash2's candidate selector, per block row after the root: the `selector_top_k`
+    candidates (by draft logit: unary scores f32[..., K] and tokens i32[..., K]) and the
+    row's projected state f32[..., r]. A candidate's score given the previous token t
+    is `selector_scores(...)`."""
+    unary, cand = jax.lax.top_k(logits, dcfg.selector_top_k)
+    return unary, cand, transformer.matmul(hidden, params["selector"]["proj"])
+
+
+def selector_scores(params: dict, unary, cand, proj, previous):
+    """Scores of a row's candidates after token `previous` (broadcast over leading
+    axes): unary + <pred[previous] * proj, succ[candidate]>."""
+    sel = params["selector"]
+    pred = sel["pred"][previous] * proj  # [..., r]
+    return unary + jnp.einsum("...r,...kr->...k", pred, sel["succ"][cand])
 
 
 def forward(
@@ -322,4 +408,6 @@ __all__ = [
     "forward_kv",
     "load",
     "read_config",
+    "selector_inputs",
+    "selector_scores",
 ]

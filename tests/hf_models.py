@@ -440,32 +440,34 @@ def write_config(path: Path, config: dict) -> None:
 def write_dflash(
     folder: Path, *, vocab: int, hidden: int = 32, layers: int = 2, target_layer_ids=(1, 3),
     num_target_layers: int = 6, block_size: int = 8, mask_token_id: int = 7, seed: int = 0,
-    nested: bool = True, **extra,
+    nested: bool = True, v2: dict | None = None, **extra,
 ):  # fmt: skip
     """A random DFlash drafter in the `dflash` package's own format, written by its
     `save_pretrained` (every tensor, norms included, drawn at random so each one
     matters); returns the torch model. The block fields go in `dflash_config`
-    (`nested`) or at the config's top level."""
+    (`nested`) or at the config's top level. `v2`: a DFlash2 drafter with these
+    fields (conv_kernel_size, conv_group_size, selector_rank, selector_top_k)."""
     import dflash.model as dflash_pkg  # test-only: `pip install --no-deps dflash`
     import torch
     import transformers
 
     fields = {"block_size": block_size, "mask_token_id": mask_token_id,
-              "target_layer_ids": list(target_layer_ids)} | extra  # fmt: skip
+              "target_layer_ids": list(target_layer_ids)} | (v2 or {}) | extra  # fmt: skip
     config = transformers.Qwen3Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
         max_position_embeddings=256, rope_theta=10000.0,
     )  # fmt: skip
     config.num_target_layers = num_target_layers
-    config.architectures = ["DFlashDraftModel"]
+    config.architectures = ["DFlash2DraftModel" if v2 else "DFlashDraftModel"]
     if nested:
         config.dflash_config = fields
     else:
         for k, v in fields.items():
             setattr(config, k, v)
     torch.manual_seed(seed)
-    model = dflash_pkg.DFlashDraftModel(config).float().eval()
+    cls = dflash_pkg.DFlash2DraftModel if v2 else dflash_pkg.DFlashDraftModel
+    model = cls(config).float().eval()
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * (0.3 if p.ndim > 1 else 0.5) + (p.ndim == 1))

@@ -19,7 +19,7 @@ from test_spec_engine import assert_first_two_tokens_follow_the_target
 from specdec import LLM, SamplingParams
 from specdec.checkpoint import load_model
 from specdec.draft import dflash
-from specdec.draft.block import BlockDrafter, best_first, max_tree_nodes
+from specdec.draft.block import BlockDrafter, grid_tree, max_tree_nodes, selector_tree
 from specdec.kernels import transformer
 from specdec.verify.tree import PAD_PARENT
 
@@ -41,6 +41,16 @@ def pair(tmp_path_factory):
     write_dflash(root / "d", vocab=VOCAB, layers=1, target_layer_ids=(0, 1),
                  num_target_layers=2, block_size=6, mask_token_id=5)  # fmt: skip
     return target, root / "d"
+
+
+@pytest.fixture(scope="module")
+def pair2(pair):
+    """The same target with a random DFlash2 drafter (convolutions, selector)."""
+    folder = pair[1].parent / "d2"
+    v2 = {"conv_kernel_size": 3, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 6}
+    write_dflash(folder, vocab=VOCAB, layers=1, target_layer_ids=(0, 1), num_target_layers=2,
+                 block_size=6, mask_token_id=5, v2=v2, seed=4)  # fmt: skip
+    return pair[0], folder
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +96,14 @@ def tree_paths(tokens: np.ndarray, parents: np.ndarray) -> set:
 def test_best_first_example_from_the_docstring():
     logp = jnp.log(jnp.exp(jnp.array([[-0.1, -2.5], [-0.2, -1.9]])))
     cand = jnp.array([[10, 11], [20, 21]])
-    tokens, parents = best_first(logp, cand, num_nodes=3, max_depth=2)
+    tokens, parents = grid_tree(logp, cand, num_nodes=3, max_depth=2)
     assert tokens.tolist() == [10, 20, 21] and parents.tolist() == [-1, 0, 0]
 
 
 @pytest.mark.parametrize("num_nodes,max_depth,k", [(8, 3, 2), (12, 4, 3), (5, 5, 1), (40, 3, 3)])
 def test_best_first_keeps_the_best_paths(num_nodes, max_depth, k):
     rng = np.random.default_rng(num_nodes)
-    grow = jax.jit(best_first, static_argnames=("num_nodes", "max_depth"))
+    grow = jax.jit(grid_tree, static_argnames=("num_nodes", "max_depth"))
     n = min(num_nodes, max_tree_nodes(k, max_depth))
     for _ in range(20):
         logp = -np.sort(rng.exponential(1.0, (max_depth, k)), axis=1).astype(np.float32)
@@ -179,8 +189,12 @@ def _fresh_tree(dparams, tparams, seq, n, *, dcfg, tcfg, depth, topk, nodes):
     hidden = dflash.forward(dcfg, dparams, ctx, block, positions, valid)
     head = transformer.head_logits(tcfg, tparams, hidden[:, 1 : 1 + depth])
     logits = dflash.draft_logits(dcfg, head)
+    if dcfg.is_dflash2:
+        unary, cand, proj = dflash.selector_inputs(dcfg, dparams, hidden[:, 1 : 1 + depth], logits)
+        return selector_tree(dparams, unary[0], cand[0], proj[0], seq[0, n - 1], num_nodes=nodes,
+                             max_depth=depth, topk=topk)  # fmt: skip
     logp, cand = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), topk)
-    return best_first(logp[0], cand[0], num_nodes=nodes, max_depth=depth)
+    return grid_tree(logp[0], cand[0], num_nodes=nodes, max_depth=depth)
 
 
 def fresh_tree(dcfg, dparams, tcfg, tparams, seq, drafter: BlockDrafter):
@@ -211,11 +225,14 @@ class FakeTarget:
         assert tuple(layers) == self.runner.taps
 
 
-def test_long_accepted_paths_are_caught_up(pair):
+@pytest.mark.parametrize("version", [1, 2])
+def test_long_accepted_paths_are_caught_up(pair, pair2, version):
     """Verdicts accepting 0 .. max_depth nodes along random paths (the verify's features
     at every other node random): each next tree equals a fresh forward's, so the
     drafter keeps exactly the root's and the accepted nodes' features, at their
-    positions. The prompt's features arrive in prefill chunks of 8."""
+    positions. The prompt's features arrive in prefill chunks of 8. DFlash2: trees from
+    its selector, each node's children after its own token."""
+    pair = pair if version == 1 else pair2
     tcfg, tparams = load_model(pair[0])
     dcfg, dparams = dflash.load(pair[1])
     fake = FakeTarget(tcfg, tparams, dcfg.target_layer_ids)
@@ -300,8 +317,10 @@ def reference(pair, prompts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_greedy_equals_plain_decoding_on_100_prompts(pair, prompts, reference, shape):
+@pytest.mark.parametrize("shape", [*sorted(SHAPES), "dflash2_tree"])
+def test_greedy_equals_plain_decoding_on_100_prompts(pair, pair2, prompts, reference, shape):
+    if shape == "dflash2_tree":
+        pair, shape = pair2, "tree"
     llm = dflash_llm(pair, **SHAPES[shape])
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert out == reference

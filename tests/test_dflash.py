@@ -78,7 +78,7 @@ def test_bad_folders_are_refused_by_name(tmp_path):
     hf = json.loads(cfg_file.read_text())
     for change, match in [
         ({"architectures": ["Qwen3ForCausalLM"]}, "Not a DFlash drafter"),
-        ({"dflash_config": hf["dflash_config"] | {"conv_kernel_size": 4}}, "DFlash2"),
+        ({"architectures": ["DFlash2DraftModel"]}, "A DFlash2 config needs positive"),
         ({"dflash_config": {"block_size": 8, "target_layer_ids": [1, 3]}}, "mask_token_id"),
     ]:
         cfg_file.write_text(json.dumps(hf | change))
@@ -88,3 +88,51 @@ def test_bad_folders_are_refused_by_name(tmp_path):
                                          {"target_layer_ids": [1, 2, 3]}}))  # fmt: skip
     with pytest.raises(ValueError, match=r"3 target layers of width 32 need \(96, 32\)"):
         dflash.load(tmp_path / "d")
+
+
+V2 = {"conv_kernel_size": 3, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 6}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dflash2_hidden_states_logits_and_selector_match_the_package(tmp_path, causal):
+    """DFlash2: the dynamic convolutions (hidden states and logits within 1e-4), the
+    selector's scores after any previous token, and its greedy path from an anchor
+    (the package's `propose` at temperature 0)."""
+    extra = {"is_causal": True} if causal else {}
+    model = write_drafter(tmp_path / "d", v2=V2, **extra)
+    dcfg, params = dflash.load(tmp_path / "d")
+    assert dcfg.is_dflash2 and dcfg.selector_top_k == 6 and dcfg.conv_kernel_size == 3
+    feats, block, pos = inputs(len(dcfg.target_layer_ids))
+    with torch.no_grad():
+        want = model(position_ids=torch.from_numpy(pos), noise_embedding=torch.from_numpy(block),
+                     target_hidden=torch.from_numpy(feats)).numpy()  # fmt: skip
+    ctx = dflash.context_rows(dcfg, params, jnp.asarray(feats))
+    got = np.asarray(dflash.forward(dcfg, params, ctx, jnp.asarray(block), jnp.asarray(pos)))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    head = torch.nn.Linear(D, VOCAB, bias=False)
+    rows = torch.from_numpy(want[:, 1:])  # the rows after the anchor, as the package passes
+    anchor = torch.tensor([3, 50])
+    with torch.no_grad():
+        want_logits = model.compute_logits(rows, head).numpy()
+        path, _, _ = model.propose(rows, anchor, head, 0.0)
+        head_w = head.weight.numpy().T
+    logits = dflash.draft_logits(dcfg, jnp.asarray(got[:, 1:]) @ head_w)
+    np.testing.assert_allclose(np.asarray(logits), want_logits, atol=1e-4, rtol=0)
+    unary, cand, proj = dflash.selector_inputs(dcfg, params, jnp.asarray(got[:, 1:]), logits)
+    sel = model.candidate_selector
+    prev = jnp.asarray(np.random.default_rng(2).integers(0, VOCAB, (2, 7)))
+    with torch.no_grad():  # the package's score for the same candidates
+        p_cb = sel.predecessor_codebook(torch.from_numpy(np.array(prev)))
+        h = sel.hidden_projection(rows)
+        s_cb = sel.successor_codebook(torch.from_numpy(np.array(cand)))
+        want_scores = torch.from_numpy(np.array(unary)) + torch.einsum(
+            "bpr,bpkr->bpk", p_cb * h, s_cb)  # fmt: skip
+    got_scores = dflash.selector_scores(params, unary, cand, proj, prev)
+    np.testing.assert_allclose(np.asarray(got_scores), want_scores.numpy(), atol=1e-4, rtol=0)
+    previous = jnp.asarray(anchor.numpy())
+    chain = []
+    for p in range(7):
+        s = dflash.selector_scores(params, unary[:, p], cand[:, p], proj[:, p], previous)
+        previous = jnp.take_along_axis(cand[:, p], jnp.argmax(s, -1)[:, None], 1)[:, 0]
+        chain.append(np.asarray(previous))
+    np.testing.assert_array_equal(np.stack(chain, 1), path.numpy())
