@@ -32,17 +32,23 @@ def inputs(n_target_layers, batch=2, ctx=5, q=8, seed=1):
     return feats, block, pos
 
 
-@pytest.mark.parametrize("nested", [True, False])
-def test_hidden_states_and_logits_match_the_package(tmp_path, nested):
-    model = write_drafter(tmp_path / "d", nested=nested)
-    dcfg, params = dflash.load(tmp_path / "d")
-    assert dcfg.target_layer_ids == (1, 3) and dcfg.block_size == 8 and dcfg.mask_token_id == 7
+def both_forwards(model, dcfg, params):
+    """(ours, the package's) final hidden states for the same random features and block."""
     feats, block, pos = inputs(len(dcfg.target_layer_ids))
     with torch.no_grad():
         want = model(position_ids=torch.from_numpy(pos), noise_embedding=torch.from_numpy(block),
                      target_hidden=torch.from_numpy(feats)).numpy()  # fmt: skip
     ctx = dflash.context_rows(dcfg, params, jnp.asarray(feats))
-    got = np.asarray(dflash.forward(dcfg, params, ctx, jnp.asarray(block), jnp.asarray(pos)))
+    got = dflash.forward(dcfg, params, ctx, jnp.asarray(block), jnp.asarray(pos))
+    return np.asarray(got), want
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_hidden_states_and_logits_match_the_package(tmp_path, nested):
+    model = write_drafter(tmp_path / "d", nested=nested)
+    dcfg, params = dflash.load(tmp_path / "d")
+    assert dcfg.target_layer_ids == (1, 3) and dcfg.block_size == 8 and dcfg.mask_token_id == 7
+    got, want = both_forwards(model, dcfg, params)
     assert got.shape == want.shape == (2, 8, D)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     # Logits through a shared head: the package's compute_logits (multiplier, soft cap).
@@ -102,12 +108,7 @@ def test_dflash2_hidden_states_logits_and_selector_match_the_package(tmp_path, c
     model = write_drafter(tmp_path / "d", v2=V2, **extra)
     dcfg, params = dflash.load(tmp_path / "d")
     assert dcfg.is_dflash2 and dcfg.selector_top_k == 6 and dcfg.conv_kernel_size == 3
-    feats, block, pos = inputs(len(dcfg.target_layer_ids))
-    with torch.no_grad():
-        want = model(position_ids=torch.from_numpy(pos), noise_embedding=torch.from_numpy(block),
-                     target_hidden=torch.from_numpy(feats)).numpy()  # fmt: skip
-    ctx = dflash.context_rows(dcfg, params, jnp.asarray(feats))
-    got = np.asarray(dflash.forward(dcfg, params, ctx, jnp.asarray(block), jnp.asarray(pos)))
+    got, want = both_forwards(model, dcfg, params)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     head = torch.nn.Linear(D, VOCAB, bias=False)
     rows = torch.from_numpy(want[:, 1:])  # the rows after the anchor, as the package passes
