@@ -2,19 +2,19 @@
 
 Per slot the drafter keeps the context keys / values of every committed token
 but the root (`dflash.context_kv` of the target's features at
-`target_layer_ids`, in a paged cache of its own) and, until its next `propose`,
-the features of the tokens the target's last verify committed ("pending").
+`target_layer_ids`, in a paged cache of its own): `start` writes the prompt's
+(the target's prefill kept them, chunk by chunk), `commit` the root's and the
+accepted nodes' (the target's verify kept the whole block's), in one jitted
+call over the verify's rows.
 
 One `propose` is one jitted call over the live rows:
 
-1. **Catch up.** The pending features become context rows; their keys / values
-   are written into the cache at the rows' next positions and read at once.
-2. **Block.** The root and `block_size - 1` mask tokens (the target's
+1. **Block.** The root and `block_size - 1` mask tokens (the target's
    embeddings, times `input_embedding_scale`) at positions root, root + 1, ...
-   go through the drafter, reading the whole context; block row d >= 1 is
-   the draft's distribution for the token d places after the root (through the
-   target's LM head, `dflash.draft_logits`).
-3. **Tree.** Best-first from the per-position top-k candidates: a node's score
+   go through the drafter, reading the whole cached context; block row d >= 1
+   is the draft's distribution for the token d places after the root (through
+   the target's LM head, `dflash.draft_logits`).
+2. **Tree.** Best-first from the per-position top-k candidates: a node's score
    is the sum of its path's draft log-probabilities; each of `num_nodes` rounds
    adds the best child not yet taken of any node (children of a node at depth
    d are position d + 1's top-k, in order), at most `max_depth` deep, `topk`
@@ -105,12 +105,6 @@ class BlockDrafter:
         self._table_version = -1
         self.ctx_lens = np.zeros(num_slots, np.int32)  # tokens with context K/V cached
         self.reserved = np.zeros(num_slots, np.int32)
-        # Pending features: slot s's are rows keep[s, :count[s]] of the last verify's
-        # features, row `row[s]` (-1: none pending).
-        self._feats: jax.Array | None = None
-        self._row = np.full(num_slots, -1, np.int32)
-        self._keep = np.zeros((num_slots, self.max_nodes + 1), np.int32)
-        self._count = np.zeros(num_slots, np.int32)
         self._target = None
 
     # ------------------------------------------------------------------ wiring
@@ -151,8 +145,6 @@ class BlockDrafter:
     def release(self, slot: int) -> None:
         self.ctx_lens[slot] = 0
         self.reserved[slot] = 0
-        self._row[slot] = -1
-        self._count[slot] = 0
         self.blocks.free(slot)
 
     # ------------------------------------------------------------------ steps
@@ -161,88 +153,59 @@ class BlockDrafter:
         """The prompts' features (the target's prefill just kept them) become context."""
         if self._target is None:
             raise RuntimeError("BlockDrafter.bind(target) must run before start().")
-        self._flush()
         wanted = {int(s) for s in slots}
         for chunk in self._target.runner.prefill_features:
             if chunk.slot not in wanted:
                 continue
             self.blocks.ensure(chunk.slot, chunk.start + chunk.count)
             self._cache = _ingest(
-                self.params, self.cache, chunk.rows[None], np.array([chunk.slot], np.int32),
-                np.array([chunk.start], np.int32), dcfg=self.dcfg,
+                self.params, self.cache, chunk.rows, np.zeros((1, 1), np.int32),
+                np.arange(chunk.rows.shape[1], dtype=np.int32)[None],
+                np.array([chunk.slot], np.int32), np.array([chunk.start], np.int32),
+                dcfg=self.dcfg,
             )  # fmt: skip
         for s, p in zip(slots, prompts, strict=True):
             self.ctx_lens[s] = len(p)
-            self._row[s] = -1
-            self._count[s] = 0
 
     def propose(self, active, roots, sampling: SamplingBatch) -> DraftBatch:
         active = np.asarray(active, bool)
         slots = live_rows(active, self.num_slots)
         live = slots[slots >= 0]
         take = np.maximum(slots, 0)
-        m = self.max_nodes + 1
-        rows = np.where(slots >= 0, self._row[take], -1)
-        count = np.where(rows >= 0, self._count[take], 0).astype(np.int32)
-        keep = self._keep[take]
-        for s, c in zip(live, count[: len(live)], strict=True):
-            self.blocks.ensure(int(s), int(self.ctx_lens[s] + c + 1))
-        feats = self._feats
-        if feats is None:  # nothing pending anywhere: one all-zero row stands in
-            feats = jnp.zeros((1, m, len(self.target_layers) * self.cfg.hidden_size))
         needed = int(self.ctx_lens[live].max(initial=0))  # the cache is read below these
         kv_len = kv_bucket(max(needed, int(self.reserved[live].max(initial=0))), self.max_len)
         target = self._target.runner
-        tokens, parents, self._cache = _propose(
-            self.params, target.params, self.cache, feats, np.maximum(rows, 0), keep, count,
-            slots, self.ctx_lens[take], np.asarray(roots, np.int32)[take],
-            dcfg=self.dcfg, target_cfg=target.cfg, layout=target.layout, kv_len=kv_len,
-            num_nodes=self.max_nodes, max_depth=self.max_depth, topk=self.topk,
-            vocab_limit=self.vocab_limit, num_slots=self.num_slots,
+        tokens, parents = _propose(
+            self.params, target.params, self.cache, slots, self.ctx_lens[take],
+            np.asarray(roots, np.int32)[take], dcfg=self.dcfg, target_cfg=target.cfg,
+            layout=target.layout, kv_len=kv_len, num_nodes=self.max_nodes,
+            max_depth=self.max_depth, topk=self.topk, vocab_limit=self.vocab_limit,
+            num_slots=self.num_slots,
         )  # fmt: skip
-        self.ctx_lens[live] += count[: len(live)]
-        self._row[live] = -1
-        self._count[live] = 0
-        self._feats = None
         return DraftBatch(tokens, parents, None, self.child_sampling)
 
     def commit(self, active, accepted_nodes, num_accepted, emitted) -> None:
-        """The root and the accepted nodes' features (the verify just kept them) are
-        pending until the next `propose`."""
+        """The root's and the accepted nodes' features (the verify just kept the whole
+        block's) become context, in one call over the verify's rows."""
         features = self._target.features
         if features is None:
             raise RuntimeError("The target kept no features: was bind(target) run?")
-        self._flush()
-        rows, feats = features
+        rows, feats = features  # row i = slot rows[i] (-1: padding)
         active = np.asarray(active, bool)
-        for i, s in enumerate(rows):
-            if s < 0 or not active[s]:
-                continue
-            n = int(num_accepted[s])
-            self._row[s] = i
-            self._count[s] = n + 1
-            self._keep[s, 0] = 0
-            self._keep[s, 1 : n + 1] = np.asarray(accepted_nodes[s, :n]) + 1
-        self._feats = feats
-
-    def _flush(self) -> None:
-        """Writes pending features' context K/V now (a commit with no propose after it)."""
-        pend = np.flatnonzero(self._row >= 0)
-        if not len(pend):
-            return
-        feats = self._feats
-        for s in pend:
-            c = int(self._count[s])
-            self.blocks.ensure(int(s), int(self.ctx_lens[s]) + c)
-            rows = feats[self._row[s]][self._keep[s, :c]]
-            self._cache = _ingest(
-                self.params, self.cache, rows[None], np.array([s], np.int32),
-                np.array([self.ctx_lens[s]], np.int32), dcfg=self.dcfg,
-            )  # fmt: skip
-            self.ctx_lens[s] += c
-            self._row[s] = -1
-            self._count[s] = 0
-        self._feats = None
+        live = (rows >= 0) & active[np.maximum(rows, 0)]
+        slots = np.where(live, rows, -1).astype(np.int32)
+        take = np.maximum(rows, 0)
+        n = np.where(live, np.asarray(num_accepted)[take], 0)
+        # Block index of each kept row: the root (0), then accepted node j at j + 1.
+        path = np.asarray(accepted_nodes)[take]
+        keep = np.concatenate([np.zeros((len(rows), 1), np.int32), np.maximum(path, 0) + 1], 1)
+        row_idx = np.arange(len(rows), dtype=np.int32)[:, None]
+        starts = self.ctx_lens[take].copy()
+        for s, c in zip(slots[live], n[live], strict=True):
+            self.blocks.ensure(int(s), int(self.ctx_lens[s] + c + 1))
+        self._cache = _ingest(self.params, self.cache, feats, row_idx, keep, slots, starts,
+                              dcfg=self.dcfg)  # fmt: skip
+        self.ctx_lens[slots[live]] += 1 + n[live]
 
 
 def _context_kv_at(dcfg, params, feats, positions):
@@ -252,12 +215,14 @@ def _context_kv_at(dcfg, params, feats, positions):
 
 
 @functools.partial(jax.jit, static_argnames=("dcfg",), donate_argnames=("cache",))
-def _ingest(params, cache, feats, slots, starts, *, dcfg):
-    """Context K/V of features f32[B, C, F] written at positions starts[b] .. of slots[b]
-    (positions past a row's real count land beyond its length or in the null block)."""
-    c = feats.shape[1]
-    positions = starts[:, None] + jnp.arange(c, dtype=jnp.int32)[None]
-    ks, vs = _context_kv_at(dcfg, params, feats, positions)
+def _ingest(params, cache, feats, rows, keep, slots, starts, *, dcfg):
+    """Context K/V of the features feats[rows[b], keep[b]] (f32[R, C, F] -> [B, M, F])
+    written at positions starts[b] .. of slots[b] (-1: nothing); entries past a
+    row's real count land beyond its new length or in the null block."""
+    m = keep.shape[1]
+    picked = feats[rows, keep]
+    positions = starts[:, None] + jnp.arange(m, dtype=jnp.int32)[None]
+    ks, vs = _context_kv_at(dcfg, params, picked, positions)
     return transformer.write_kv(cache, ks, vs, slots, starts)
 
 
@@ -274,35 +239,26 @@ def _ingest(params, cache, feats, slots, starts, *, dcfg):
         "vocab_limit",
         "num_slots",
     ),  # fmt: skip
-    donate_argnames=("cache",),
 )
-def _propose(params, target_params, cache, feats, rows, keep, count, slots, ctx_lens, roots, *,
-             dcfg, target_cfg, layout, kv_len, num_nodes, max_depth, topk, vocab_limit,
-             num_slots):  # fmt: skip
-    """Catch-up, block forward and best-first tree (module docstring) over the live
-    rows (row b is slot slots[b], -1 padding). Returns tokens and parents i32[S, N]
-    per slot (slots not run: empty trees) and the cache."""
-    b, m = keep.shape
-    # 1. Catch up: pending features -> context K/V at ctx_lens .. (+ count), written.
-    pend = feats[rows[:, None], keep]  # [B, M, F]
-    pend_pos = ctx_lens[:, None] + jnp.arange(m, dtype=jnp.int32)[None]
-    pk, pv = _context_kv_at(dcfg, params, pend, pend_pos)
-    # 2. Block: the cache below ctx_lens, the pending rows, then the block itself.
+def _propose(params, target_params, cache, slots, ctx_lens, roots, *, dcfg, target_cfg, layout,
+             kv_len, num_nodes, max_depth, topk, vocab_limit, num_slots):  # fmt: skip
+    """Block forward and best-first tree (module docstring) over the live rows (row b
+    is slot slots[b], -1 padding), the context read from the cache. Returns tokens and
+    parents i32[S, N] per slot (slots not run: empty trees)."""
+    b = slots.shape[0]
     blocks = paged.row_tables(cache.table, slots, -(-kv_len // cache.block_size))
     t = jnp.arange(kv_len)
+    valid = t[None] < ctx_lens[:, None]
     # Zero past each row's length: stale entries there must not meet a 0 weight as NaN.
-    fresh = (t[None] < ctx_lens[:, None])[:, None, :, None]
+    fresh = valid[:, None, :, None]
     read = transformer.REFERENCE.cache_rows
-    cached_k = jnp.stack([read(cache.k, i, blocks, kv_len, fresh)
-                          for i in range(dcfg.model.num_layers)])  # fmt: skip
-    cached_v = jnp.stack([read(cache.v, i, blocks, kv_len, fresh)
-                          for i in range(dcfg.model.num_layers)])  # fmt: skip
-    # [L, B, K, T, hd] -> [L, B, T, K, hd], then the pending rows after them.
-    keys = jnp.concatenate([cached_k.transpose(0, 1, 3, 2, 4).astype(jnp.float32), pk], axis=2)
-    values = jnp.concatenate([cached_v.transpose(0, 1, 3, 2, 4).astype(jnp.float32), pv], axis=2)
-    valid = jnp.concatenate([t[None] < ctx_lens[:, None],
-                             jnp.arange(m)[None] < count[:, None]], axis=1)  # fmt: skip
-    root_pos = ctx_lens + count
+    layers = range(dcfg.model.num_layers)
+    # [L, B, K, T, hd] -> [L, B, T, K, hd]
+    keys = jnp.stack([read(cache.k, i, blocks, kv_len, fresh) for i in layers])
+    values = jnp.stack([read(cache.v, i, blocks, kv_len, fresh) for i in layers])
+    keys = keys.transpose(0, 1, 3, 2, 4).astype(jnp.float32)
+    values = values.transpose(0, 1, 3, 2, 4).astype(jnp.float32)
+    root_pos = ctx_lens
     q = dcfg.block_size
     block_tokens = jnp.concatenate(
         [roots[:, None], jnp.full((b, q - 1), dcfg.mask_token_id, jnp.int32)], axis=1
@@ -323,13 +279,12 @@ def _propose(params, target_params, cache, feats, rows, keep, count, slots, ctx_
     else:
         logp, cand = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), topk)  # [B, D, k]
         tokens, parents = jax.vmap(functools.partial(grid_tree, **shape))(logp, cand)
-    cache = transformer.write_kv(cache, pk, pv, slots, ctx_lens)
     idx = jnp.where(slots >= 0, slots, num_slots)
     out_t = jnp.zeros((num_slots, num_nodes), jnp.int32).at[idx].set(tokens, mode="drop")
     out_p = (
         jnp.full((num_slots, num_nodes), PAD_PARENT, jnp.int32).at[idx].set(parents, mode="drop")
     )
-    return out_t, out_p, cache
+    return out_t, out_p
 
 
 def best_first(children, root, *, num_nodes: int, max_depth: int, topk: int):

@@ -195,7 +195,7 @@ class ModelRunner:
                 taps=self.taps,
             )
             if feats:
-                self.prefill_features.append(FeatureChunk(slot, start, int(n_in[0]), feats[0][0]))
+                self.prefill_features.append(FeatureChunk(slot, start, int(n_in[0]), feats[0]))
             self.cache = transformer.write_kv(self.cache, ks, vs, slots, starts, counts=n_in)
         self.cache_lens[slot] = n
         return np.asarray(logits[0])  # the prompt ends in the last chunk
@@ -214,7 +214,7 @@ class ModelRunner:
 
 class FeatureChunk(NamedTuple):
     """A prefill chunk's features at the runner's taps: slot `slot`'s positions
-    [start, start + count) are `rows[:count]` (f32[C, n x D], on the device)."""
+    [start, start + count) are `rows[0, :count]` (f32[1, C, n x D], on the device)."""
 
     slot: int
     start: int

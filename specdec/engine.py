@@ -52,6 +52,7 @@ import jax
 import numpy as np
 
 from specdec.draft.base import DraftBatch, Drafter
+from specdec.draft.block import BlockDrafter
 from specdec.draft.model import ModelDrafter
 from specdec.kernels.runner import kv_bucket, row_bucket
 from specdec.outputs import (
@@ -266,7 +267,9 @@ class LLMEngine:
             variants.append(SamplingBatch.make_dummy(s, self.vocab_size))
         first = [v.take(1) for v in variants]
         lengths = r.prefill_shapes(self.max_model_len - 1)
-        runners = [r] + ([drafter.runner] if isinstance(drafter, ModelDrafter) else [])
+        # What a step reads K/V from (each has `max_len` and per-slot `reserved`).
+        runners = [r] + ([drafter.runner] if isinstance(drafter, ModelDrafter) else
+                         [drafter] if isinstance(drafter, BlockDrafter) else [])  # fmt: skip
         kv_lens = sorted({kv_bucket(x, q.max_len) for q in runners for x in range(q.max_len + 1)})
         nodes = drafter.max_nodes if drafter is not None else 0
         widths = target.plan.widths  # full width for a model drafter's device trees
@@ -316,7 +319,7 @@ class LLMEngine:
             q.reserved[:b] = kv_len  # the step reads kv_len positions (`kv_len`)
         active = np.zeros(s, bool)
         active[:b] = True
-        if isinstance(drafter, ModelDrafter):
+        if isinstance(drafter, (ModelDrafter, BlockDrafter)):  # trees grown on the device
             tree = drafter.propose(active, roots, sampling)
         else:
             tree = _dummy_tree(s, nodes, width, b)

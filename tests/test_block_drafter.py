@@ -148,7 +148,7 @@ def test_features_equal_transformers_hidden_states(hf_zoo):  # noqa: F811
     got = np.zeros_like(want)
     for c in runner.prefill_features:
         assert c.slot == 1
-        got[c.start : c.start + c.count] = np.asarray(c.rows[: c.count])
+        got[c.start : c.start + c.count] = np.asarray(c.rows)[0, : c.count]
     assert sum(c.count for c in runner.prefill_features) == n
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 from fixtures import tiny_pair
+from hf_models import write_dflash
 from jax import monitoring
 
 from specdec import LLM, SamplingParams
@@ -66,7 +67,7 @@ def pair(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "none"])
+@pytest.mark.parametrize("method", ["draft_model", "dflash", "ngram", "none"])
 def test_no_compile_after_start_up(pair, method, compiles, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # a fresh persistent cache
     jax.clear_caches()  # programs an earlier test left in memory would never reach it
@@ -74,6 +75,10 @@ def test_no_compile_after_start_up(pair, method, compiles, tmp_path, monkeypatch
                                            "max_depth": 3, "topk": 2}  # fmt: skip
     if method == "draft_model":
         spec["model"] = str(pair)
+    if method == "dflash":  # a random drafter reading both of the target's layers
+        write_dflash(tmp_path / "dflash", vocab=320, layers=1, target_layer_ids=(0, 1),
+                     num_target_layers=2)  # fmt: skip
+        spec["model"] = str(tmp_path / "dflash")
     llm = LLM(pair, max_model_len=MAX_LEN, max_num_seqs=4, speculative_config=spec,
               compile_at_start=True)  # fmt: skip
     assert compiles.names, "start-up compiled nothing"
