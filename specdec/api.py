@@ -450,11 +450,15 @@ class LLM:
 
     @property
     def tree(self) -> TreeShape | None:
-        """The drafter's tree per step; None for plain decoding. On Ray the draft actor
-        sizes an "auto" tree: its node count is read back, depth and topk are the
-        speculative config's bounds."""
+        """The drafter's tree per step; None for plain decoding. In process, what the
+        drafter grows (the plan's shape within the drafter's own bounds, e.g. a DFlash
+        block's depth); on Ray the draft actor sizes an "auto" tree: its node count is
+        read back, depth and topk are the speculative config's bounds."""
         if self.plan is not None:
-            return self.plan.tree
+            d, tree = self.engine.drafter, self.plan.tree
+            if tree is None or not all(hasattr(d, a) for a in ("max_nodes", "max_depth", "topk")):
+                return tree
+            return TreeShape(int(d.max_nodes), int(d.max_depth), int(d.topk))
         drafter, spec = self.engine.drafter, self.speculative_config
         if drafter is None or spec is None:
             return None

@@ -379,3 +379,4 @@ def test_max_depth_is_capped_by_the_block(pair):
     llm = dflash_llm(pair, num_speculative_tokens=40, max_depth=9, topk=2)
     d = llm.engine.drafter
     assert d.max_depth == 5 and d.max_nodes == 40  # block_size 6: 5 positions after the root
+    assert (llm.tree.num_nodes, llm.tree.max_depth, llm.tree.topk) == (40, 5, 2)  # as grown
