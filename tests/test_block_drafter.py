@@ -370,6 +370,9 @@ def test_bad_dflash_configurations_are_refused(pair, tmp_path):
                  num_target_layers=6)  # fmt: skip
     with pytest.raises(ValueError, match=r"\[5\] are outside this target's 2 layers"):
         LLM(str(target), speculative_config={"method": "dflash", "model": str(tmp_path / "deep")})
+    with pytest.raises(ValueError, match="method='dflash' runs in process for now"):
+        LLM(str(target), distributed_executor_backend="ray",
+            speculative_config={"method": "dflash", "model": str(drafter)})  # fmt: skip
     with pytest.raises(ValueError, match="kernel='xla'"):
         LLM(str(target), kernel="megakernel",
             speculative_config={"method": "dflash", "model": str(drafter)})  # fmt: skip
