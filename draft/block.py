@@ -271,13 +271,16 @@ def _propose(params, target_params, cache, slots, ctx_lens, roots, *, dcfg, targ
     logits = dflash.draft_logits(dcfg, logits)
     logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
     shape = dict(num_nodes=num_nodes, max_depth=max_depth)
+    # The barriers: without them XLA CPU fused the forward's last steps into the tree's
+    # many small ops and ran the step several times slower.
     if dcfg.is_dflash2:  # children ranked by the selector, after their parent's token
-        unary, cand, proj = dflash.selector_inputs(dcfg, params, hidden[:, 1 : 1 + max_depth],
-                                                   logits)  # fmt: skip
+        sel = dflash.selector_inputs(dcfg, params, hidden[:, 1 : 1 + max_depth], logits)
+        unary, cand, proj = jax.lax.optimization_barrier(sel)
         grow = functools.partial(selector_tree, params, **shape, topk=topk)
         tokens, parents = jax.vmap(grow)(unary, cand, proj, roots)
     else:
-        logp, cand = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), topk)  # [B, D, k]
+        top = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), topk)  # [B, D, k] x 2
+        logp, cand = jax.lax.optimization_barrier(top)
         tokens, parents = jax.vmap(functools.partial(grid_tree, **shape))(logp, cand)
     idx = jnp.where(slots >= 0, slots, num_slots)
     out_t = jnp.zeros((num_slots, num_nodes), jnp.int32).at[idx].set(tokens, mode="drop")

@@ -263,6 +263,7 @@ def export(folder: Path, dcfg: dflash.DFlashConfig, params: dict, num_target_lay
         for k, v in lp.items():
             tensors[f"layers.{i}.{names[k]}.weight"] = put(v, v.ndim == 2)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "model.safetensors").chmod(0o644)
 
 
 def bf16_round(params):
@@ -317,7 +318,10 @@ def main(argv: list[str] | None = None) -> None:
     metrics = evaluate(s, dcfg, shipped, t_cfg, t_params, tokens["heldout"])
     log(f"held-out (bf16 weights): {metrics}")
     export(args.export_dir, dcfg, shipped, t_cfg.num_layers)
-    record = {"settings": dataclasses.asdict(s), "parameters": n, "heldout": metrics}
+    settings = dataclasses.asdict(s)
+    if Path(s.target).resolve().is_relative_to(REPO_ROOT):  # no local paths in a release
+        settings["target"] = str(Path(s.target).resolve().relative_to(REPO_ROOT))
+    record = {"settings": settings, "parameters": n, "heldout": metrics}
     write_json(args.export_dir / "training.json", record)
     log(f"exported to {args.export_dir}")
 
