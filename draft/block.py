@@ -89,6 +89,7 @@ class BlockDrafter:
             self.topk = min(self.topk, dcfg.selector_top_k)
         self.max_nodes = min(num_nodes, max_tree_nodes(self.topk, self.max_depth))
         self.target_layers = dcfg.target_layer_ids
+        self.layout = xla_layout.for_backend(self.cfg)  # the drafter's own heads decide
         self.num_slots = num_slots
         # Committed tokens' context K/V (the root's never: its features come with the
         # verify that reads it), plus one verify's worth while catching up.
@@ -175,12 +176,14 @@ class BlockDrafter:
         needed = int(self.ctx_lens[live].max(initial=0))  # the cache is read below these
         kv_len = kv_bucket(max(needed, int(self.reserved[live].max(initial=0))), self.max_len)
         target = self._target.runner
+        # Only the head's weights: the whole target's would be flattened every call.
+        head = {k: target.params[k] for k in ("embed", "lm_head") if k in target.params}
         tokens, parents = _propose(
-            self.params, target.params, self.cache, slots, self.ctx_lens[take],
+            self.params, head, self.cache, slots, self.ctx_lens[take],
             np.asarray(roots, np.int32)[take], dcfg=self.dcfg, target_cfg=target.cfg,
-            layout=target.layout, kv_len=kv_len, num_nodes=self.max_nodes,
-            max_depth=self.max_depth, topk=self.topk, vocab_limit=self.vocab_limit,
-            num_slots=self.num_slots,
+            layout=target.layout, draft_layout=self.layout, kv_len=kv_len,
+            num_nodes=self.max_nodes, max_depth=self.max_depth, topk=self.topk,
+            vocab_limit=self.vocab_limit, num_slots=self.num_slots,
         )  # fmt: skip
         return DraftBatch(tokens, parents, None, self.child_sampling)
 
@@ -232,6 +235,7 @@ def _ingest(params, cache, feats, rows, keep, slots, starts, *, dcfg):
         "dcfg",
         "target_cfg",
         "layout",
+        "draft_layout",
         "kv_len",
         "num_nodes",
         "max_depth",
@@ -241,7 +245,7 @@ def _ingest(params, cache, feats, rows, keep, slots, starts, *, dcfg):
     ),  # fmt: skip
 )
 def _propose(params, target_params, cache, slots, ctx_lens, roots, *, dcfg, target_cfg, layout,
-             kv_len, num_nodes, max_depth, topk, vocab_limit, num_slots):  # fmt: skip
+             draft_layout, kv_len, num_nodes, max_depth, topk, vocab_limit, num_slots):  # fmt: skip
     """Block forward and best-first tree (module docstring) over the live rows (row b
     is slot slots[b], -1 padding), the context read from the cache. Returns tokens and
     parents i32[S, N] per slot (slots not run: empty trees)."""
@@ -251,13 +255,11 @@ def _propose(params, target_params, cache, slots, ctx_lens, roots, *, dcfg, targ
     valid = t[None] < ctx_lens[:, None]
     # Zero past each row's length: stale entries there must not meet a 0 weight as NaN.
     fresh = valid[:, None, :, None]
-    read = transformer.REFERENCE.cache_rows
     layers = range(dcfg.model.num_layers)
-    # [L, B, K, T, hd] -> [L, B, T, K, hd]
-    keys = jnp.stack([read(cache.k, i, blocks, kv_len, fresh) for i in layers])
-    values = jnp.stack([read(cache.v, i, blocks, kv_len, fresh) for i in layers])
-    keys = keys.transpose(0, 1, 3, 2, 4).astype(jnp.float32)
-    values = values.transpose(0, 1, 3, 2, 4).astype(jnp.float32)
+    # Read as the drafter's attention takes them (per K/V head on CPU): no copy of
+    # the context into another layout.
+    keys = [draft_layout.cache_rows(cache.k, i, blocks, kv_len, fresh) for i in layers]
+    values = [draft_layout.cache_rows(cache.v, i, blocks, kv_len, fresh) for i in layers]
     root_pos = ctx_lens
     q = dcfg.block_size
     block_tokens = jnp.concatenate(
@@ -265,7 +267,8 @@ def _propose(params, target_params, cache, slots, ctx_lens, roots, *, dcfg, targ
     )
     emb = target_params["embed"][block_tokens].astype(jnp.float32) * dcfg.input_embedding_scale
     block_pos = root_pos[:, None] + jnp.arange(q, dtype=jnp.int32)[None]
-    hidden = dflash.forward_kv(dcfg, params, keys, values, valid, emb, block_pos)
+    hidden = dflash.forward_kv(dcfg, params, keys, values, valid, emb, block_pos,
+                               draft_layout)  # fmt: skip
     logits = transformer.head_logits(target_cfg, target_params, hidden[:, 1 : 1 + max_depth],
                                      layout)  # fmt: skip
     logits = dflash.draft_logits(dcfg, logits)

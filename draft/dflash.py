@@ -35,6 +35,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -277,60 +278,62 @@ def context_kv(
 def forward_kv(
     dcfg: DFlashConfig,
     params: dict,
-    keys: jax.Array,  # f32[L, B, T, K, hd] the context rows' keys (`context_kv`)
-    values: jax.Array,  # f32[L, B, T, K, hd]
+    keys: Sequence,  # per layer: the context rows' keys [B, K, T, hd] (`head_major`)
+    values: Sequence,  # per layer: [B, K, T, hd]
     key_valid: jax.Array,  # bool[B, T] which of them the block reads
     block: jax.Array,  # f32[B, Q, D] the block's input embeddings (already scaled)
     positions: jax.Array,  # i32[B, Q] the block rows' positions
+    layout: transformer.Layout = transformer.REFERENCE,
 ) -> jax.Array:
     """The drafter's final hidden states for the block, f32[B, Q, D], given its context
-    as keys and values (module docstring)."""
+    as keys and values (module docstring). The context stays apart from the block's
+    own keys (`Layout.attention` over a cache and a block): joining them would copy
+    the whole context every step. A layer's keys may also be what `layout.cache_rows`
+    reads (a tuple of K heads' [B, T, hd] for a per-head layout)."""
     cfg = dcfg.model
     b, q_len, _ = block.shape
-    t_len = keys.shape[2]
+    t_len = key_valid.shape[1]
     h_q, h_k, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
     inv_freq = jnp.asarray(transformer.rope_inv_freq(cfg))
     scale = transformer.rope_scale(cfg)
-    visible = jnp.concatenate(
-        [jnp.broadcast_to(key_valid[:, None, :], (b, q_len, t_len)),
-         jnp.ones((b, q_len, q_len), bool)], axis=2,
-    )  # fmt: skip
-    causal = jnp.concatenate(
-        [jnp.ones((q_len, t_len), bool), jnp.tril(jnp.ones((q_len, q_len), bool))], axis=1
-    )
+    cache_mask = jnp.broadcast_to(key_valid[:, None, :], (b, q_len, t_len))
+    everything = jnp.ones((b, q_len, q_len), bool)
+    causal = everything & jnp.tril(jnp.ones((q_len, q_len), bool))[None]
     x = block.astype(jnp.float32)
     for i, lp in enumerate(params["layers"]):
         h = transformer.rms_norm(x, lp["attn_norm"], eps)
         if "attention_conv" in lp:  # DFlash2: convolve the block's rows before and after
             h, after = _conv_prepare(dcfg, lp["attention_conv"], h)
-        q = transformer.matmul(h, lp["wq"]).reshape(b, q_len, h_q, hd)
-        k = transformer.matmul(h, lp["wk"]).reshape(b, q_len, h_k, hd)
-        v = transformer.matmul(h, lp["wv"]).reshape(b, q_len, h_k, hd)
+        q, k, v = layout.qkv(cfg, lp, h)
+        q = q.reshape(b, q_len, h_q, hd)
+        k = k.reshape(b, q_len, h_k, hd)
+        v = v.reshape(b, q_len, h_k, hd)
         q = transformer.apply_rope(transformer.rms_norm(q, lp["q_norm"], eps), positions,
                                    inv_freq, scale)  # fmt: skip
         k = transformer.apply_rope(transformer.rms_norm(k, lp["k_norm"], eps), positions,
                                    inv_freq, scale)  # fmt: skip
-        k = jnp.concatenate([keys[i].astype(jnp.float32), k], axis=1)
-        v = jnp.concatenate([values[i].astype(jnp.float32), v], axis=1)
-        q = q.reshape(b, q_len, h_k, h_q // h_k, hd)
-        s = jnp.einsum("bqkgd,btkd->bkgqt", q, k) / math.sqrt(hd)
-        mask = visible & causal if dcfg.causal and dcfg.causal[i] else visible
-        s = jnp.where(mask[:, None, None], s, -jnp.inf)
-        attn = jnp.einsum("bkgqt,btkd->bqkgd", jax.nn.softmax(s, axis=-1), v)
-        o = transformer.matmul(attn.reshape(b, q_len, h_q * hd), lp["wo"])
+        q = q.reshape(b, q_len, h_k, h_q // h_k, hd) / math.sqrt(hd)
+        block_mask = causal if dcfg.causal and dcfg.causal[i] else everything
+        attn = layout.attention(cfg, q, k, v, keys[i], values[i], cache_mask, block_mask)
+        o = layout.linear(lp, "wo", attn)
         if "attention_conv" in lp:
             o = _convolve(dcfg, o, after, lp["attention_conv"]["base"][1])
         x = x + o
         m = transformer.rms_norm(x, lp["mlp_norm"], eps)
         if "mlp_conv" in lp:
             m, after = _conv_prepare(dcfg, lp["mlp_conv"], m)
-        gate, up = transformer.matmul(m, lp["w_gate"]), transformer.matmul(m, lp["w_up"])
-        o = transformer.matmul(jax.nn.silu(gate) * up, lp["w_down"])
+        gate, up = layout.gate_up(lp, m)
+        o = layout.linear(lp, "w_down", jax.nn.silu(gate) * up)
         if "mlp_conv" in lp:
             o = _convolve(dcfg, o, after, lp["mlp_conv"]["base"][1])
         x = x + o
     return transformer.rms_norm(x, params["norm"], eps)
+
+
+def head_major(kv: jax.Array) -> list[jax.Array]:
+    """`context_kv`'s [L, B, C, K, hd] as the per-layer [B, K, C, hd] `forward_kv` reads."""
+    return [kv[i].transpose(0, 2, 1, 3) for i in range(kv.shape[0])]
 
 
 def _convolve(dcfg: DFlashConfig, h: jax.Array, dynamic: jax.Array, base: jax.Array):
@@ -384,6 +387,7 @@ def forward(
     """The drafter's final hidden states for the block, f32[B, Q, D] (module docstring)."""
     c_len = context.shape[1]
     keys, values = context_kv(dcfg, params, context, positions[:, :c_len])
+    keys, values = head_major(keys), head_major(values)
     if context_valid is None:
         context_valid = jnp.ones(context.shape[:2], bool)
     return forward_kv(dcfg, params, keys, values, context_valid, block, positions[:, c_len:])
@@ -406,6 +410,7 @@ __all__ = [
     "draft_logits",
     "forward",
     "forward_kv",
+    "head_major",
     "load",
     "read_config",
     "selector_inputs",

@@ -149,7 +149,7 @@ def block_batch(dcfg, params, t_cfg, t_params, x, anchors):
     t_logits, feats = jax.lax.stop_gradient((t_logits, feats))
     ctx = dflash.context_rows(dcfg, params, feats)
     keys, values = dflash.context_kv(dcfg, params, ctx, positions)  # [L, W, T, K, hd]
-    keys, values = (jnp.repeat(a, k, axis=1) for a in (keys, values))
+    keys, values = (dflash.head_major(jnp.repeat(a, k, axis=1)) for a in (keys, values))
     a = anchors.reshape(-1)  # [W*K]
     rows = jnp.repeat(jnp.arange(w), k)
     valid = jnp.arange(t)[None] < a[:, None]  # context before the anchor
