@@ -107,6 +107,7 @@ class BlockDrafter:
         self.ctx_lens = np.zeros(num_slots, np.int32)  # tokens with context K/V cached
         self.reserved = np.zeros(num_slots, np.int32)
         self._target = None
+        self._sub_head = None  # the head's draft-vocabulary columns (`bind`)
 
     # ------------------------------------------------------------------ wiring
 
@@ -124,6 +125,17 @@ class BlockDrafter:
                 f"The drafter's mask_token_id {self.dcfg.mask_token_id} is outside the "
                 f"target's vocabulary ({t_cfg.vocab_size} tokens)."
             )
+        ids = self.params.get("vocab_ids")
+        self._sub_head = None
+        if ids is not None:  # the head's draft-vocabulary columns, taken once
+            if int(np.max(ids)) >= t_cfg.vocab_size:
+                raise ValueError(
+                    f"The drafter's draft vocabulary reaches token {int(np.max(ids))}, "
+                    f"outside the target's vocabulary ({t_cfg.vocab_size} tokens)."
+                )
+            p = target.runner.params
+            head = p["lm_head"] if "lm_head" in p else p["embed"].T
+            self._sub_head = jnp.asarray(head[:, ids])
         target.tap(self.target_layers)
         self._target = target
 
@@ -177,7 +189,11 @@ class BlockDrafter:
         kv_len = kv_bucket(max(needed, int(self.reserved[live].max(initial=0))), self.max_len)
         target = self._target.runner
         # Only the head's weights: the whole target's would be flattened every call.
-        head = {k: target.params[k] for k in ("embed", "lm_head") if k in target.params}
+        head = {"embed": target.params["embed"]}
+        if self._sub_head is not None:
+            head["sub_head"] = self._sub_head
+        elif "lm_head" in target.params:
+            head["lm_head"] = target.params["lm_head"]
         tokens, parents = _propose(
             self.params, head, self.cache, slots, self.ctx_lens[take],
             np.asarray(roots, np.int32)[take], dcfg=self.dcfg, target_cfg=target.cfg,
@@ -269,21 +285,28 @@ def _propose(params, target_params, cache, slots, ctx_lens, roots, *, dcfg, targ
     block_pos = root_pos[:, None] + jnp.arange(q, dtype=jnp.int32)[None]
     hidden = dflash.forward_kv(dcfg, params, keys, values, valid, emb, block_pos,
                                draft_layout)  # fmt: skip
-    logits = transformer.head_logits(target_cfg, target_params, hidden[:, 1 : 1 + max_depth],
-                                     layout)  # fmt: skip
-    logits = dflash.draft_logits(dcfg, logits)
-    logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
+    h = hidden[:, 1 : 1 + max_depth]
+    ids = params.get("vocab_ids")  # a draft vocabulary: logits over its tokens only
+    if ids is None:
+        logits = transformer.head_logits(target_cfg, target_params, h, layout)
+        allowed = jnp.arange(logits.shape[-1]) < vocab_limit
+    else:
+        logits = layout.matmul(h, target_params["sub_head"])
+        allowed = ids < vocab_limit
+    logits = jnp.where(allowed, dflash.draft_logits(dcfg, logits), -jnp.inf)
     shape = dict(num_nodes=num_nodes, max_depth=max_depth)
     # The barriers: without them XLA CPU fused the forward's last steps into the tree's
     # many small ops and ran the step several times slower.
     if dcfg.is_dflash2:  # children ranked by the selector, after their parent's token
-        sel = dflash.selector_inputs(dcfg, params, hidden[:, 1 : 1 + max_depth], logits)
+        sel = dflash.selector_inputs(dcfg, params, h, logits)
         unary, cand, proj = jax.lax.optimization_barrier(sel)
+        cand = cand if ids is None else ids[cand]
         grow = functools.partial(selector_tree, params, **shape, topk=topk)
         tokens, parents = jax.vmap(grow)(unary, cand, proj, roots)
     else:
         top = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), topk)  # [B, D, k] x 2
         logp, cand = jax.lax.optimization_barrier(top)
+        cand = cand if ids is None else ids[cand]
         tokens, parents = jax.vmap(functools.partial(grid_tree, **shape))(logp, cand)
     idx = jnp.where(slots >= 0, slots, num_slots)
     out_t = jnp.zeros((num_slots, num_nodes), jnp.int32).at[idx].set(tokens, mode="drop")

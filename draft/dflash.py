@@ -27,6 +27,12 @@ attention and the MLP (kernels = a learned base + a projection of the
 sub-layer's input), and a candidate selector: at each block row the top
 `selector_top_k` tokens by draft logit, rescored by a low-rank bilinear term
 in the previous token and the row's state (`selector_scores`).
+
+Draft vocabulary (our extension, in EAGLE-3's format: `draft_vocab_size` in the
+config and int64 offsets `d2t`, target id = i + d2t[i]): the drafter proposes
+only those tokens, so each step reads that many columns of the target's head
+instead of all of it (the head is the biggest matrix a block drafter reads).
+The verify is exact whatever the drafter proposes, so output is unchanged.
 """
 
 from __future__ import annotations
@@ -68,6 +74,9 @@ class DFlashConfig:
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
+    # Draft vocabulary (EAGLE-3's `draft_vocab_size` and `d2t`): the drafter proposes
+    # only these tokens, so its head is that many of the target's columns; 0 = all.
+    draft_vocab_size: int = 0
 
     @property
     def is_dflash2(self) -> bool:
@@ -153,13 +162,22 @@ def config_from_hf(hf: dict) -> DFlashConfig:
     if any(t == "sliding_attention" for t in types[:layers]) and hf.get("sliding_window"):
         raise ValueError("Sliding-window DFlash layers are not supported yet.")
     softcap = _field(hf, "final_logit_softcapping")
+    draft_vocab = int(_field(hf, "draft_vocab_size") or 0)
+    if not 0 <= draft_vocab <= model.vocab_size:
+        raise ValueError(
+            f"draft_vocab_size {draft_vocab} must be in [1, vocab_size={model.vocab_size}]."
+        )
+    if v2 and draft_vocab and draft_vocab < v2_fields["selector_top_k"]:
+        raise ValueError(f"draft_vocab_size {draft_vocab} is below selector_top_k "
+                         f"{v2_fields['selector_top_k']}.")  # fmt: skip
     return DFlashConfig(
         model=model, target_layer_ids=tuple(int(i) for i in ids), block_size=block,
         mask_token_id=int(mask),
         input_embedding_scale=float(_field(hf, "input_embedding_scale", 1.0)),
         output_multiplier=float(_field(hf, "output_multiplier", 1.0)),
         final_logit_softcapping=float(softcap) if softcap else None,
-        causal=causal if any(causal) else (), **v2_fields,
+        causal=causal if any(causal) else (),
+        draft_vocab_size=0 if draft_vocab == model.vocab_size else draft_vocab, **v2_fields,
     )  # fmt: skip
 
 
@@ -236,6 +254,8 @@ def load(path: str | os.PathLike, dtype: str = "float32") -> tuple[DFlashConfig,
             "succ": take(sel + "successor_codebook.weight"),
             "proj": take(sel + "hidden_projection.weight", True),  # [D, r]
         }
+    if dcfg.draft_vocab_size:
+        params["vocab_ids"] = jnp.asarray(_vocab_ids(folder, raw, dcfg))
     d = dcfg.model.hidden_size
     want = len(dcfg.target_layer_ids) * d
     if params["fc"].shape != (want, d):
@@ -244,6 +264,27 @@ def load(path: str | os.PathLike, dtype: str = "float32") -> tuple[DFlashConfig,
             f"{len(dcfg.target_layer_ids)} target layers of width {d} need ({want}, {d})."
         )
     return dcfg, params
+
+
+def _vocab_ids(folder: Path, raw: dict, dcfg: DFlashConfig) -> np.ndarray:
+    """The draft vocabulary's target token ids: id = i + d2t[i] (EAGLE-3's offsets)."""
+    n, vocab = dcfg.draft_vocab_size, dcfg.model.vocab_size
+    if "d2t" not in raw:
+        raise ValueError(f"{folder}: draft_vocab_size is {n} but the tensor 'd2t' is missing.")
+    d2t = np.asarray(raw["d2t"])
+    if d2t.shape != (n,) or d2t.dtype.kind not in "iu":
+        raise ValueError(f"{folder}: d2t must be {n} integers; got {d2t.dtype}{list(d2t.shape)}.")
+    ids = np.arange(n, dtype=np.int64) + d2t
+    if ids.min() < 0 or ids.max() >= vocab or len(np.unique(ids)) != n:
+        raise ValueError(f"{folder}: d2t must map the draft vocabulary to {n} distinct token "
+                         f"ids in [0, {vocab}).")  # fmt: skip
+    return ids.astype(np.int32)
+
+
+def draft_vocab_offsets(ids) -> np.ndarray:
+    """EAGLE-3's `d2t` for a draft vocabulary of target token ids (the inverse of load's)."""
+    ids = np.asarray(ids, np.int64)
+    return ids - np.arange(len(ids), dtype=np.int64)
 
 
 def context_rows(dcfg: DFlashConfig, params: dict, features: jax.Array) -> jax.Array:
@@ -408,6 +449,7 @@ __all__ = [
     "context_rows",
     "default_target_layer_ids",
     "draft_logits",
+    "draft_vocab_offsets",
     "forward",
     "forward_kv",
     "head_major",

@@ -72,6 +72,9 @@ class Settings:
     num_kv_heads: int = 4
     head_dim: int = 64
     intermediate_size: int = 1536
+    # A draft vocabulary of the training corpus's most frequent tokens (the drafter's
+    # head is then that many of the target's columns; 0 = the whole vocabulary).
+    draft_vocab_size: int = 0
     kl_weight: float = 1.0
     ce_weight: float = 0.1
     decay: float = 4.0  # row d's loss weight: exp(-(d - 1) / decay)
@@ -97,7 +100,8 @@ class Settings:
 
 SMOKE = dict(seq_len=64, anchors=4, block_size=4, target_layer_ids=(0, 1), num_heads=4,
              num_kv_heads=2, head_dim=8, intermediate_size=64, steps=6, batch_size=2,
-             warmup_steps=1, max_files=4, eval_tokens=256, log_every_s=0.0)  # fmt: skip
+             warmup_steps=1, max_files=4, eval_tokens=256, log_every_s=0.0,
+             draft_vocab_size=256)  # fmt: skip
 
 
 def drafter_config(s: Settings, t_cfg: ModelConfig, mask_token_id: int) -> dflash.DFlashConfig:
@@ -186,10 +190,11 @@ def make_loss(s: Settings, dcfg, t_cfg):
     return loss_fn
 
 
-def evaluate(s: Settings, dcfg, params, t_cfg, t_params, tokens: np.ndarray) -> dict:
+def evaluate(s: Settings, dcfg, params, t_cfg, t_params, tokens: np.ndarray, ids=None) -> dict:
     """Held-out: each block row's top-1 agreement with the target's greedy token given
     the true prefix, and the mean greedy chain it implies (accepted rows before the
-    first miss, + 1 bonus token per step)."""
+    first miss, + 1 bonus token per step); with a draft vocabulary `ids`, the drafter
+    picks among those tokens only, as it does in the engine."""
     windows = eval_windows(tokens, s.seq_len, s.eval_tokens)
     run = jax.jit(lambda p, x, a: block_batch(dcfg, p, t_cfg, t_params, x, a))
     hits = []
@@ -197,11 +202,23 @@ def evaluate(s: Settings, dcfg, params, t_cfg, t_params, tokens: np.ndarray) -> 
         x = jnp.asarray(windows[i : i + s.batch_size, :-1])
         anchors = draw_anchors(s.seed + 1, x, s.anchors, x.shape[1], dcfg.block_size)
         log_q, log_p, _ = run(params, x, anchors)
-        hits.append(np.asarray(jnp.argmax(log_q, -1) == jnp.argmax(log_p, -1)))
+        guess = jnp.argmax(log_q, -1) if ids is None else jnp.asarray(ids)[
+            jnp.argmax(log_q[..., ids], -1)]  # fmt: skip
+        hits.append(np.asarray(guess == jnp.argmax(log_p, -1)))
     hits = np.concatenate(hits)  # [rows, B-1]
     chain = np.cumprod(hits, axis=1).sum(axis=1)
-    return {"blocks": int(len(hits)), "row_top1": [round(float(v), 4) for v in hits.mean(0)],
-            "greedy_chain_tokens_per_step": round(float(chain.mean()) + 1, 3)}  # fmt: skip
+    out = {"blocks": int(len(hits)), "row_top1": [round(float(v), 4) for v in hits.mean(0)],
+           "greedy_chain_tokens_per_step": round(float(chain.mean()) + 1, 3)}  # fmt: skip
+    if ids is not None:  # how much of the held-out text the draft vocabulary covers
+        out["draft_vocab_coverage"] = round(float(np.isin(tokens, ids).mean()), 4)
+    return out
+
+
+def draft_vocab(tokens: np.ndarray, size: int, vocab: int) -> np.ndarray:
+    """The `size` most frequent token ids of `tokens` (ties: the lower id), ascending."""
+    counts = np.bincount(tokens, minlength=vocab)[:vocab]
+    order = np.lexsort((np.arange(vocab), -counts))
+    return np.sort(order[:size]).astype(np.int32)
 
 
 def corpus_tokens(run_dir: Path, s: Settings, tok: Tokenizer, log: Log) -> dict[str, np.ndarray]:
@@ -230,8 +247,10 @@ def corpus_tokens(run_dir: Path, s: Settings, tok: Tokenizer, log: Log) -> dict[
     return out
 
 
-def export(folder: Path, dcfg: dflash.DFlashConfig, params: dict, num_target_layers: int):
-    """The `dflash` package's folder format, weights in bfloat16."""
+def export(folder: Path, dcfg: dflash.DFlashConfig, params: dict, num_target_layers: int,
+           ids=None):  # fmt: skip
+    """The `dflash` package's folder format, weights in bfloat16; a draft vocabulary
+    `ids` as EAGLE-3 stores one (`draft_vocab_size`, int64 offsets `d2t`)."""
     c = dcfg.model
     folder.mkdir(parents=True, exist_ok=True)
     config = {
@@ -246,6 +265,8 @@ def export(folder: Path, dcfg: dflash.DFlashConfig, params: dict, num_target_lay
         "dflash_config": {"block_size": dcfg.block_size, "mask_token_id": dcfg.mask_token_id,
                           "target_layer_ids": list(dcfg.target_layer_ids)},
     }  # fmt: skip
+    if ids is not None:
+        config["draft_vocab_size"] = len(ids)
     write_json(folder / "config.json", config)
     names = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
              "wo": "self_attn.o_proj", "q_norm": "self_attn.q_norm",
@@ -262,6 +283,8 @@ def export(folder: Path, dcfg: dflash.DFlashConfig, params: dict, num_target_lay
     for i, lp in enumerate(params["layers"]):
         for k, v in lp.items():
             tensors[f"layers.{i}.{names[k]}.weight"] = put(v, v.ndim == 2)
+    if ids is not None:
+        tensors["d2t"] = dflash.draft_vocab_offsets(ids)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "model.safetensors").chmod(0o644)
 
@@ -315,9 +338,12 @@ def main(argv: list[str] | None = None) -> None:
         key_data=np.asarray(jax.random.key_data(key)), log=log, stop=stop,
     )  # fmt: skip
     shipped = bf16_round(params)
-    metrics = evaluate(s, dcfg, shipped, t_cfg, t_params, tokens["heldout"])
+    ids = None
+    if s.draft_vocab_size:
+        ids = draft_vocab(tokens["train"], s.draft_vocab_size, t_cfg.vocab_size)
+    metrics = evaluate(s, dcfg, shipped, t_cfg, t_params, tokens["heldout"], ids)
     log(f"held-out (bf16 weights): {metrics}")
-    export(args.export_dir, dcfg, shipped, t_cfg.num_layers)
+    export(args.export_dir, dcfg, shipped, t_cfg.num_layers, ids)
     settings = dataclasses.asdict(s)
     if Path(s.target).resolve().is_relative_to(REPO_ROOT):  # no local paths in a release
         settings["target"] = str(Path(s.target).resolve().relative_to(REPO_ROOT))

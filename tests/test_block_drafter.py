@@ -7,6 +7,8 @@ sampled tokens following the target's own distribution."""
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 from fixtures import tiny_config, write_model
 from hf_models import hf_zoo, load_torch_model, write_dflash  # noqa: F401 (fixture)
+from safetensors.numpy import load_file, save_file
 from test_spec_engine import assert_first_two_tokens_follow_the_target
 
 from specdec import LLM, SamplingParams
@@ -50,6 +53,30 @@ def pair2(pair):
     v2 = {"conv_kernel_size": 3, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 6}
     write_dflash(folder, vocab=VOCAB, layers=1, target_layer_ids=(0, 1), num_target_layers=2,
                  block_size=6, mask_token_id=5, v2=v2, seed=4)  # fmt: skip
+    return pair[0], folder
+
+
+# A draft vocabulary: the drafter proposes only these tokens (EAGLE-3's d2t offsets).
+DRAFT_VOCAB = (0, 2, 3, 5, 8, 9, 11, 14, 17, 18, 20, 23)
+
+
+def add_draft_vocab(folder: Path, ids) -> None:
+    """Gives a drafter folder a draft vocabulary (`draft_vocab_size`, `d2t`)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["draft_vocab_size"] = len(ids)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (weights,) = folder.glob("*.safetensors")
+    tensors = load_file(weights) | {"d2t": dflash.draft_vocab_offsets(ids)}
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def pair_vocab(pair):
+    """The same target with a random DFlash drafter proposing DRAFT_VOCAB's tokens only."""
+    folder = pair[1].parent / "dv"
+    write_dflash(folder, vocab=VOCAB, layers=1, target_layer_ids=(0, 1), num_target_layers=2,
+                 block_size=6, mask_token_id=5, seed=5)  # fmt: skip
+    add_draft_vocab(folder, DRAFT_VOCAB)
     return pair[0], folder
 
 
@@ -188,12 +215,15 @@ def _fresh_tree(dparams, tparams, seq, n, *, dcfg, tcfg, depth, topk, nodes):
     valid = jnp.arange(PAD)[None] < n - 1  # every committed token but the root
     hidden = dflash.forward(dcfg, dparams, ctx, block, positions, valid)
     head = transformer.head_logits(tcfg, tparams, hidden[:, 1 : 1 + depth])
-    logits = dflash.draft_logits(dcfg, head)
+    ids = dparams.get("vocab_ids")  # a draft vocabulary: its tokens' logits only
+    logits = dflash.draft_logits(dcfg, head if ids is None else head[..., ids])
     if dcfg.is_dflash2:
         unary, cand, proj = dflash.selector_inputs(dcfg, dparams, hidden[:, 1 : 1 + depth], logits)
+        cand = cand if ids is None else ids[cand]
         return selector_tree(dparams, unary[0], cand[0], proj[0], seq[0, n - 1], num_nodes=nodes,
                              max_depth=depth, topk=topk)  # fmt: skip
     logp, cand = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), topk)
+    cand = cand if ids is None else ids[cand]
     return grid_tree(logp[0], cand[0], num_nodes=nodes, max_depth=depth)
 
 
@@ -225,14 +255,15 @@ class FakeTarget:
         assert tuple(layers) == self.runner.taps
 
 
-@pytest.mark.parametrize("version", [1, 2])
-def test_long_accepted_paths_are_caught_up(pair, pair2, version):
+@pytest.mark.parametrize("version", [1, 2, "vocab"])
+def test_long_accepted_paths_are_caught_up(pair, pair2, pair_vocab, version):
     """Verdicts accepting 0 .. max_depth nodes along random paths (the verify's features
     at every other node random): each next tree equals a fresh forward's, so the
     drafter keeps exactly the root's and the accepted nodes' features, at their
     positions. The prompt's features arrive in prefill chunks of 8. DFlash2: trees from
-    its selector, each node's children after its own token."""
-    pair = pair if version == 1 else pair2
+    its selector, each node's children after its own token. "vocab": a draft
+    vocabulary, whose tokens alone the trees hold."""
+    pair = {1: pair, 2: pair2, "vocab": pair_vocab}[version]
     tcfg, tparams = load_model(pair[0])
     dcfg, dparams = dflash.load(pair[1])
     fake = FakeTarget(tcfg, tparams, dcfg.target_layer_ids)
@@ -254,6 +285,8 @@ def test_long_accepted_paths_are_caught_up(pair, pair2, version):
         want_t, want_p = fresh_tree(dcfg, dparams, tcfg, tparams, committed, drafter)
         np.testing.assert_array_equal(parents, want_p)
         np.testing.assert_array_equal(tokens, want_t)
+        if version == "vocab":
+            assert set(tokens[parents != PAD_PARENT].tolist()) <= set(DRAFT_VOCAB)
         path, node = [], -1  # a random root-to-node path of the tree
         while (kids := np.flatnonzero(parents == node)).size and rng.random() < 0.85:
             node = int(rng.choice(kids))
@@ -317,10 +350,13 @@ def reference(pair, prompts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", [*sorted(SHAPES), "dflash2_tree"])
-def test_greedy_equals_plain_decoding_on_100_prompts(pair, pair2, prompts, reference, shape):
+@pytest.mark.parametrize("shape", [*sorted(SHAPES), "dflash2_tree", "vocab_tree"])
+def test_greedy_equals_plain_decoding_on_100_prompts(pair, pair2, pair_vocab, prompts, reference,
+                                                     shape):  # fmt: skip
     if shape == "dflash2_tree":
         pair, shape = pair2, "tree"
+    if shape == "vocab_tree":
+        pair, shape = pair_vocab, "tree"
     llm = dflash_llm(pair, **SHAPES[shape])
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert out == reference
@@ -376,6 +412,41 @@ def test_bad_dflash_configurations_are_refused(pair, tmp_path):
     with pytest.raises(ValueError, match="kernel='xla'"):
         LLM(str(target), kernel="megakernel",
             speculative_config={"method": "dflash", "model": str(drafter)})  # fmt: skip
+
+
+def test_bad_draft_vocabularies_are_refused(pair, tmp_path):
+    target, drafter = pair
+
+    def variant(name, ids, **config):
+        folder = tmp_path / name
+        write_dflash(folder, vocab=VOCAB, layers=1, target_layer_ids=(0, 1),
+                     num_target_layers=2, block_size=6, mask_token_id=5)  # fmt: skip
+        add_draft_vocab(folder, ids)
+        cfg = json.loads((folder / "config.json").read_text()) | config
+        (folder / "config.json").write_text(json.dumps(cfg))
+        return folder
+
+    with pytest.raises(ValueError, match="the tensor 'd2t' is missing"):
+        cfg = json.loads((drafter / "config.json").read_text()) | {"draft_vocab_size": 4}
+        (tmp_path / "nod2t").mkdir()
+        (tmp_path / "nod2t" / "config.json").write_text(json.dumps(cfg))
+        for f in drafter.glob("*.safetensors"):
+            (tmp_path / "nod2t" / f.name).write_bytes(f.read_bytes())
+        dflash.load(tmp_path / "nod2t")
+    with pytest.raises(ValueError, match="4 distinct token ids in"):
+        dflash.load(variant("dup", [1, 2, 2, 3]))
+    with pytest.raises(ValueError, match=r"d2t must be 5 integers; got int64\[4\]"):
+        dflash.load(variant("short", [1, 2, 3, 4], draft_vocab_size=5))
+    with pytest.raises(ValueError, match=r"draft_vocab_size 99 must be in \[1, vocab_size=24\]"):
+        dflash.load(variant("big", [1, 2, 3, 4], draft_vocab_size=99))
+    # The whole vocabulary as a draft vocabulary is no draft vocabulary at all.
+    dcfg, params = dflash.load(variant("all", list(range(VOCAB))))
+    assert dcfg.draft_vocab_size == 0 and "vocab_ids" not in params
+
+
+def test_draft_vocab_offsets_round_trip():
+    ids = np.array([0, 3, 4, 9, 23])
+    np.testing.assert_array_equal(dflash.draft_vocab_offsets(ids), [0, 2, 2, 6, 19])
 
 
 def test_max_depth_is_capped_by_the_block(pair):

@@ -240,6 +240,9 @@ def test_dflash_training_exports_a_drafter_both_loaders_read(tmp_path):
     assert 0 <= metrics["greedy_chain_tokens_per_step"] <= 4
     dcfg, params = dflash.load(export)
     assert dcfg.block_size == 4 and dcfg.target_layer_ids == (0, 1)
+    # The smoke run's draft vocabulary: the corpus's 256 most frequent tokens.
+    assert dcfg.draft_vocab_size == 256 and params["vocab_ids"].shape == (256,)
+    assert 0.3 < metrics["draft_vocab_coverage"] <= 1
     model = dflash_pkg.DFlashDraftModel.from_pretrained(export, dtype=torch.float32).eval()
     rng = np.random.default_rng(0)
     d = dcfg.model.hidden_size
