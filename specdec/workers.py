@@ -321,13 +321,14 @@ def _verify_megakernel(r: ModelRunner, roots, tree: DraftBatch, slots, active, s
         r.params, r.cache, roots, tree.tokens, tree.parents, tree.draft_probs, slots,
         cache_lens, sampling, sampling.uniforms(n + 1), cfg=r.cfg,
         child_sampling=tree.child_sampling, interpret=jax.default_backend() != "tpu",
-        mesh=r.mesh,
+        mesh=r.mesh, taps=r.taps,
     )  # fmt: skip
     verdict = Verdict(res.accepted_nodes, res.num_accepted, res.bonus)
     src = jnp.where(res.accepted_nodes >= 0, res.accepted_nodes + 1, 0)
     r.cache = transformer.commit_kv(res.cache, slots, cache_lens, src, res.num_accepted, res.lin)
     emitted = jax.vmap(emitted_tokens)(tree.tokens, verdict)
-    return emitted, res.num_accepted, res.accepted_nodes
+    feats = () if res.features is None else (res.features,)
+    return (emitted, res.num_accepted, res.accepted_nodes, *feats)
 
 
 # How the target verifies a tree: same inputs, same verdict (tests/test_megakernel.py).
@@ -398,11 +399,6 @@ class TargetWorker:
             raise ValueError(
                 f"The drafter reads target layers {list(layers)}; {bad} are outside this "
                 f"target's {n} layers (0 .. {n - 1})."
-            )
-        if self.kernel != "xla":
-            raise ValueError(
-                "A block drafter (method='dflash') reads the target's hidden states, which "
-                "the verify megakernel does not return yet; use kernel='xla'."
             )
         self.runner.taps = tuple(int(i) for i in layers)
 

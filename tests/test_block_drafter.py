@@ -87,11 +87,11 @@ def prompts():
             for n in rng.integers(1, 40, 100)]  # fmt: skip
 
 
-def dflash_llm(pair, max_num_seqs=8, max_model_len=MAX_LEN, **shape):
+def dflash_llm(pair, max_num_seqs=8, max_model_len=MAX_LEN, kernel="auto", **shape):
     target, drafter = pair
     spec = {"method": "dflash", "model": str(drafter), **shape}
     return LLM(str(target), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-               speculative_config=spec)  # fmt: skip
+               speculative_config=spec, kernel=kernel)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- tree growth
@@ -309,13 +309,19 @@ def test_long_accepted_paths_are_caught_up(pair, pair2, pair_vocab, version):
     assert accepted_total >= 15
 
 
-@pytest.mark.parametrize("shape", [pytest.param("chain", marks=pytest.mark.slow), "wide"])
-def test_every_tree_in_the_engine_equals_a_fresh_forward(pair, shape):
+@pytest.mark.parametrize(
+    "shape,kernel",
+    [pytest.param("chain", "xla", marks=pytest.mark.slow), ("wide", "xla"),
+     pytest.param("wide", "megakernel", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_every_tree_in_the_engine_equals_a_fresh_forward(pair, shape, kernel):
     """Through LLM.generate, with the verify's own features: every 3rd tree equals a
-    fresh forward's."""
+    fresh forward's. "megakernel": the verify kernel (Pallas interpret mode) returns
+    the features."""
     spec = SHAPES["chain"] if shape == "chain" else dict(num_speculative_tokens=24, max_depth=3,
                                                          topk=6)  # fmt: skip
-    llm = dflash_llm(pair, max_num_seqs=4, **spec)
+    llm = dflash_llm(pair, max_num_seqs=4, kernel=kernel, **spec)
+    assert llm.kernel == kernel
     engine = llm.engine
     drafter = engine.drafter
     assert isinstance(drafter, BlockDrafter)
@@ -408,9 +414,6 @@ def test_bad_dflash_configurations_are_refused(pair, tmp_path):
         LLM(str(target), speculative_config={"method": "dflash", "model": str(tmp_path / "deep")})
     with pytest.raises(ValueError, match="method='dflash' runs in process for now"):
         LLM(str(target), distributed_executor_backend="ray",
-            speculative_config={"method": "dflash", "model": str(drafter)})  # fmt: skip
-    with pytest.raises(ValueError, match="kernel='xla'"):
-        LLM(str(target), kernel="megakernel",
             speculative_config={"method": "dflash", "model": str(drafter)})  # fmt: skip
 
 

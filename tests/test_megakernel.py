@@ -220,6 +220,42 @@ def test_untouched_slot_stays_nan(dtype_name):
     assert np.isnan(res["out"]["cache"]["k"][:, unused].astype(np.float32)).all()
 
 
+def expected_features(cfg, params, c, taps) -> np.ndarray:
+    """The block's features at `taps` (`transformer.block_logits_kv`) for case `c`."""
+    block, positions, mask = reference.tree_block(c.roots, c.tokens, c.parents, c.lens)
+    *_, feats = T.block_logits_kv(
+        params, copy_cache(c.cache), block, positions, mask, c.slots, c.lens, cfg=cfg, taps=taps
+    )  # fmt: skip
+    return np.asarray(feats)
+
+
+@pytest.mark.parametrize("taps", [(0,), (1, 0), pytest.param((0, 1), marks=pytest.mark.slow)])
+def test_kernel_features_match_block_logits_kv(taps):
+    """With `taps` the kernel also returns the block's residual after those layers (the
+    last layer's after the final norm), as the XLA forward gives a block drafter; the
+    verdict and logits are unchanged. Rows: a chain over a long context, a tree over
+    none."""
+    cfg, params = model(jnp.float32, 2)
+    c = reference_case(cfg, params, jnp.float32, [("chain8", 1000), ("tree16", 0)],
+                       np.random.default_rng(5))  # fmt: skip
+    out = kernel.verify(
+        params, copy_cache(c.cache), c.roots, c.tokens, c.parents, None, c.slots, c.lens,
+        c.sampling, c.uniforms, cfg=cfg, child_sampling=TOPK, block_sizes=BLOCKS,
+        interpret=True, taps=taps,
+    )  # fmt: skip
+    want = expected_features(cfg, params, c, taps)
+    assert out.features.shape == want.shape == (2, NODES + 1, len(taps) * cfg.hidden_size)
+    np.testing.assert_allclose(np.asarray(out.features), want, atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(out.accepted_nodes, c.ref.accepted_nodes)
+    np.testing.assert_allclose(out.logits, c.ref.logits, atol=LOGIT_TOL["f32"], rtol=0)
+    with pytest.raises(ValueError, match=r"taps \[2\] are outside the model's 2 layers"):
+        kernel.verify(
+            params, copy_cache(c.cache), c.roots, c.tokens, c.parents, None, c.slots, c.lens,
+            c.sampling, c.uniforms, cfg=cfg, child_sampling=TOPK, block_sizes=BLOCKS,
+            interpret=True, taps=(2,),
+        )  # fmt: skip
+
+
 VARIANTS = {
     # attention bias + tied embeddings (LM head = embed rows, transposed matmul)
     "qwen2_tied": dict(

@@ -82,6 +82,14 @@ def test_two_devices_match_the_reference():
     assert_matches(tp_check("--tp", "2", "--batch", "1"), "f32")
 
 
+def test_features_split_over_two_devices():
+    """A block drafter's features from the kernel split over 2 devices (every device
+    holds the whole residual after the all-reduce) equal the one-device XLA forward's."""
+    found = tp_check("--tp", "2", "--batch", "2", "--taps", "1,0")
+    assert_matches(found, "f32")
+    assert found["feat_err"] < 1e-4, found
+
+
 @pytest.mark.slow
 def test_a_missing_semaphore_wait_is_caught():
     """Skipping one wait for a peer's DMA (the bug the one-slot argument rules out) is

@@ -21,6 +21,7 @@ from test_megakernel import (
     NODES,
     TOPK,
     TREES,
+    expected_features,
     model,
     reference_case,
 )  # fmt: skip
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--drop-wait", action="store_true", help="skip one semaphore wait")
     ap.add_argument("--config", default="{}", help="ModelConfig overrides, JSON")
     ap.add_argument("--rings", default="2,2", help="weight_ring,mlp_ring")
+    ap.add_argument("--taps", default="", help="layers whose features to return, e.g. 0,1")
     args = ap.parse_args()
     n, dtype = args.tp, DTYPES[args.dtype]
     overrides = dict(vocab_size=VOCAB, num_heads=8, head_dim=16, intermediate_size=256)
@@ -66,12 +68,14 @@ def main() -> None:
 
         collectives.DROP_RECV_WAIT = True
     weight_ring, mlp_ring = (int(x) for x in args.rings.split(","))
+    taps = tuple(int(i) for i in args.taps.split(",")) if args.taps else ()
     blocks = BlockSizes(proj_cols=16, out_rows=16, mlp_cols=32, vocab_cols=96, kv_rows=128,
                         weight_ring=weight_ring, mlp_ring=mlp_ring)  # fmt: skip
     ip = pltpu.InterpretParams(detect_races=True, dma_execution_mode=args.mode)
     out = kernel.verify(
         params_n, cache_n, roots, tokens, parents, None, slots, lens, sampling, uniforms,
         cfg=cfg_n, child_sampling=TOPK, block_sizes=blocks, interpret=ip, mesh=mesh,
+        taps=taps,
     )  # fmt: skip
     jax.block_until_ready(out)
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
@@ -86,8 +90,13 @@ def main() -> None:
             upto = lens[row] + NODES + 1
             diff = got[:, slot, :, :upto] - want[:, slot, :, :upto]
             kv_err = max(kv_err, float(np.max(np.abs(diff))))
+    feat_err = None
+    if taps:  # against the one-device XLA forward's (`test_megakernel.expected_features`)
+        want = expected_features(cfg, params, c, taps)
+        feat_err = float(np.max(np.abs(np.asarray(out.features) - want)))
     print(json.dumps({
         "races": races,
+        "feat_err": feat_err,
         "paths_equal": bool(np.array_equal(out.accepted_nodes, ref.accepted_nodes)
                             and np.array_equal(out.num_accepted, ref.num_accepted)),
         "bonus_equal": bool(np.array_equal(out.bonus, ref.bonus)),

@@ -63,6 +63,11 @@ Routed experts (Qwen3-MoE, DeepSeek-V3 routing): `moe` module docstring.
 
 Multi-head latent attention (DeepSeek-V3 class): `mla` module docstring.
 
+Block drafters' features (`taps`): after a tapped layer's last residual update, x
+(whole on every device after the all-reduce) goes to an extra HBM output by one
+DMA; the last layer's gets the final norm in XLA afterwards, so `features` equal
+`transformer.block_logits_kv(taps=)`.
+
 KV writes need
 `cache_lens[b] + N + 1 <= max_len` for active rows (the target worker sizes its
 cache so); rows beyond it get no K/V written.
@@ -129,7 +134,7 @@ def verify(params: Params, cache: KVCache, *args, mesh: Mesh | None = None, **kw
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "child_sampling", "block_sizes", "interpret", "mesh"),
+    static_argnames=("cfg", "child_sampling", "block_sizes", "interpret", "mesh", "taps"),
     donate_argnames=("cache",),
 )
 def _verify(
@@ -149,8 +154,11 @@ def _verify(
     block_sizes: BlockSizes | None = None,  # None = tuning.step_block_sizes for this chip
     interpret: bool | pltpu.InterpretParams = False,  # True / InterpretParams: run on CPU
     mesh: Mesh | None = None,  # split over its one axis "tp" (module docstring); None = one device
+    taps: tuple[int, ...] = (),  # also return the residual after these layers (block drafters)
 ) -> VerifyResult:
-    """`reference.verify` as one Pallas kernel (module docstring)."""
+    """`reference.verify` as one Pallas kernel (module docstring). With `taps`, the
+    result's `features` are the block's residual after those layers, f32[B, N + 1,
+    len(taps) x D], as `transformer.block_logits_kv(taps=)` gives them."""
     tp = _mesh_size(mesh)
     shard.check_shardable(cfg, tp, tpu=not interpret)
     if cfg.is_hybrid:  # `shard.prepare_params` restacks once at load instead
@@ -176,16 +184,19 @@ def _verify(
     block_sizes.validate(local, max_len=cache.max_len, tpu=not interpret)
     if tp > 1 and interpret is True:  # remote DMAs need the TPU interpreter
         interpret = pltpu.InterpretParams()
-    logits, greedy, cache, lin = _verify_call(
+    bad = [i for i in taps if not 0 <= i < cfg.num_layers]
+    if bad:
+        raise ValueError(f"taps {bad} are outside the model's {cfg.num_layers} layers.")
+    logits, greedy, cache, lin, feats = _verify_call(
         params, cache, roots, tokens, parents, slots, cache_lens,
-        cfg=cfg, local=local, bs=block_sizes, interpret=interpret, mesh=mesh,
+        cfg=cfg, local=local, bs=block_sizes, interpret=interpret, mesh=mesh, taps=taps,
     )  # fmt: skip
     block, _, mask = tree_block(roots, tokens, parents, cache_lens)
     verdict = decide(
         logits, block, mask, tokens, parents, draft_probs, sampling, uniforms, child_sampling,
         greedy=greedy,
     )  # fmt: skip
-    return VerifyResult(*verdict, logits, cache, lin)
+    return VerifyResult(*verdict, logits, cache, lin, feats)
 
 
 def _mesh_size(mesh: Mesh | None) -> int:
@@ -203,9 +214,8 @@ def _devices(mesh: Mesh | None) -> list:
     return jax.devices() if mesh is None else list(mesh.devices.flat)
 
 
-def _verify_call(
-    params, cache, roots, tokens, parents, slots, cache_lens, *, cfg, local, bs, interpret, mesh
-):
+def _verify_call(params, cache, roots, tokens, parents, slots, cache_lens, *, cfg, local, bs,
+                 interpret, mesh, taps=()):  # fmt: skip
     """Builds the kernel operands, runs the pallas_call (once per device of `mesh`),
     unpacks logits and verdict. `local` is what one device computes
     (`shard.local_config`); everything row-shaped is built here once, replicated."""
@@ -312,7 +322,7 @@ def _verify_call(
     tp = _mesh_size(mesh)
     run = functools.partial(
         _device_call, names=(*rows_in, *split_in), local=local, bs=bs, batch=b,
-        num_nodes=n, vocab=cfg.vocab_size, interpret=interpret, tp=tp,
+        num_nodes=n, vocab=cfg.vocab_size, interpret=interpret, tp=tp, taps=taps,
     )  # fmt: skip
     scalars = (slots.astype(i32), row_lens, *tables.values())
     args = (*scalars, *rows_in.values(), *(a for a, _ in split_in.values()))
@@ -320,6 +330,7 @@ def _verify_call(
     if cfg.is_hybrid:
         rec_cuts = [_cut(len(s), axis) for s, axis in hybrid.record_shapes(local, m)]
     n_cache = 1 if cfg.is_mla else 2  # MLA's values are its keys' latent: no V
+    tap_specs = [P()] if taps else []  # every device holds the whole residual
     if mesh is None:
         logits, verdict, *caches_out = run(*args)
     else:
@@ -328,15 +339,31 @@ def _verify_call(
             run,
             mesh=mesh,
             in_specs=(*[P()] * len(scalars), *[P()] * len(rows_in), *cut),
-            out_specs=(P(None, AXIS), P(), *cut[-n_cache:], *rec_cuts),
+            out_specs=(P(None, AXIS), P(), *cut[-n_cache:], *rec_cuts, *tap_specs),
             check_vma=False,  # the verdict is replicated by construction (collectives)
         )(*args)
+    feats = None
+    if taps:
+        feats = _features(caches_out.pop(), params, cfg, taps, b, np_, n1)
     k_cache, recs = caches_out[0], caches_out[n_cache:]
     v_cache = cache.v if cfg.is_mla else caches_out[1]
     logits = logits.reshape(b, np_, -1)[:, :n1, : cfg.vocab_size]
     greedy = Verdict(verdict[:, 0, :n], verdict[:, 1, 0], verdict[:, 2, 0])
     lin = hybrid.records(recs, cfg, b, np_, n1, tp) if recs else None
-    return logits, greedy, KVCache(k=k_cache, v=v_cache, lin=cache.lin), lin
+    return logits, greedy, KVCache(k=k_cache, v=v_cache, lin=cache.lin), lin, feats
+
+
+def _features(raw, params, cfg, taps, b, np_, n1):
+    """The kernel's tapped residuals f32[n_taps, B x Np, D] as f32[B, N + 1, n_taps x D];
+    the last layer's after the final norm (transformers' last hidden state, as
+    `transformer.block_logits_kv`)."""
+    d = raw.shape[-1]
+    f = raw.reshape(len(taps), b, np_, d)[:, :, :n1]
+    last = cfg.num_layers - 1
+    if last in taps:
+        i = taps.index(last)
+        f = f.at[i].set(transformer.rms_norm(f[i], params["final_norm"], cfg.rms_norm_eps))
+    return f.transpose(1, 2, 0, 3).reshape(b, n1, len(taps) * d)
 
 
 def _cut(ndim: int, axis: int | None) -> P:
@@ -347,7 +374,7 @@ def _cut(ndim: int, axis: int | None) -> P:
     return P(*parts)
 
 
-def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, tp):
+def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, tp, taps=()):
     """One device's pallas_call over its shards (`local` is its part of the model)."""
     mixed = stacks.is_mixed_moe(local)
     nsp = 4 if local.is_hybrid or mixed else 2  # scalar prefetch: slots, lens (+ layer tables)
@@ -400,6 +427,9 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
     if local.is_moe:
         sems.append(pltpu.SemaphoreType.DMA((2,)))  # router weights, routing flags -> SMEM
         sem_names.append("moe_sem")
+    if taps:
+        sems.append(pltpu.SemaphoreType.DMA((1,)))  # tapped residual -> HBM
+        sem_names.append("tap_sem")
     for on, extra in ((local.is_hybrid, hybrid.SEMAPHORES), (local.is_mla, mla.SEMAPHORES)):
         for name, shape in extra if on else ():
             sems.append(pltpu.SemaphoreType.DMA(shape))
@@ -415,6 +445,7 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
         + ["logits_hbm", "verdict_ref"]
         + ["k_hbm", "v_hbm"][: len(caches)]
         + [f"{name}_hbm" for name in rec_names]
+        + (["taps_hbm"] if taps else [])
         + [f"{buf.name}_ref" for buf in buffers if buf.kind == "scratch"]
         + smem_names
         + sem_names
@@ -429,6 +460,7 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
         rmw_rows=tuning.kv_write_rows(num_nodes, cdtype), tp=tp, vocab=vocab,
         hybrid=local.is_hybrid, gated=local.attn_output_gate, rot=local.rotary_dim,
         moe=local.is_moe, E_local=e_local, mixed=mixed, shared=bool(local.shared_intermediate),
+        taps=tuple(taps),
     )  # fmt: skip
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
@@ -442,6 +474,8 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
         m_rows = batch * np_
         out_shape += tuple(jax.ShapeDtypeStruct(s, jnp.float32)
                            for s, _ in hybrid.record_shapes(local, m_rows))  # fmt: skip
+    if taps:
+        out_shape += (jax.ShapeDtypeStruct((len(taps), m, local.hidden_size), jnp.float32),)
     call = pl.pallas_call(
         functools.partial(_kernel, p=plan, names=names),
         out_shape=out_shape,
@@ -449,7 +483,7 @@ def _device_call(*arrays, names, local, bs, batch, num_nodes, vocab, interpret, 
             num_scalar_prefetch=nsp,
             grid=(1,),
             in_specs=[vmem] * len(vmem_in) + [hbm] * (len(hbm_in) + len(caches)),
-            out_specs=[hbm, vmem] + [hbm] * (len(caches) + len(rec_names)),
+            out_specs=[hbm, vmem] + [hbm] * (len(caches) + len(rec_names) + bool(taps)),
             scratch_shapes=scratch + sems,
         ),
         # Operand indices count the two scalar-prefetch operands.
@@ -672,6 +706,14 @@ def _kernel(*refs, p, names):
         when_moe(False, lambda: ops.stream(nf, 0, mlp_copies(mi), mlp_tile, ring=mlp_ring,
                                            nxt=next_layer_or_head))  # fmt: skip
         reduce_into_x()  # the next layer's first tiles are already in flight
+        for t, tapped in enumerate(p.taps):  # a block drafter's features: x after layer li
+
+            @pl.when(li == tapped)
+            def _(t=t):
+                copy = pltpu.make_async_copy(r.x_ref, r.taps_hbm.at[t], r.tap_sem.at[0])
+                copy.start()
+                copy.wait()  # x changes in the next layer
+
         return carry
 
     open_head = ops.opener(head_copies(tv), 0, nv, ring, mlp_ring - 1)

@@ -55,6 +55,9 @@ class VerifyResult(NamedTuple):
     # committed for the accepted path by `transformer.write_kv(..., keep, counts)`;
     # the cache's linear state is left as it was.
     lin: LinearBlock | None = None
+    # With `taps` (the kernel's): the block's residual after those layers, f32[B, N + 1,
+    # n_taps x D], for a block drafter (`transformer.block_logits_kv(taps=)`).
+    features: jax.Array | None = None
 
 
 def tree_block(
