@@ -295,6 +295,7 @@ def compile_verify(
     with_sampling: bool = False,
     config_name: str = "",
     tp: int = 1,  # devices of `topology` the target is split over (`megakernel.shard`)
+    taps: tuple[int, ...] = (),  # also return these layers' features (a block drafter's)
 ) -> AotReport:
     """Compiles the verify megakernel for `tp` devices of `topology` (one instance per
     device, collectives inside); never raises on a compiler rejection (the report says
@@ -381,13 +382,13 @@ def compile_verify(
         )  # fmt: skip
         fn = functools.partial(
             kernel._verify.lower, cfg=run, child_sampling=ChildSampling.DETERMINISTIC_TOPK,
-            block_sizes=block_sizes, mesh=mesh,
+            block_sizes=block_sizes, mesh=mesh, taps=tuple(taps),
         )  # fmt: skip
         args = (params, cache, *tree, None, *rows, sampling, sds((batch, tree_nodes + 1), f32))
         what = "verify step (megakernel + XLA sampling branch)"
     else:
         step = functools.partial(kernel._verify_call, cfg=run, local=local, bs=block_sizes,
-                                 interpret=False, mesh=mesh)  # fmt: skip
+                                 interpret=False, mesh=mesh, taps=tuple(taps))  # fmt: skip
         fn = jax.jit(step).lower
         args = (params, cache, *tree, *rows)
         what = "megakernel (greedy verify step)"

@@ -53,6 +53,17 @@ def test_qwen3_8b_compiles_for_tpu7x(capsys):
     assert "not a measurement) at acceptance length 4" in out and "GiB per device" in out
 
 
+@pytest.mark.parametrize("tp", [1, 8])
+def test_block_drafter_features_compile_for_tpu7x(tp):
+    """The kernel with `taps` (a DFlash drafter's layers: one more HBM output, a DMA of
+    the residual after each tapped layer) passes Mosaic, whole and split 8 ways."""
+    rep = aot.compile_verify(
+        aot.PRESETS["qwen3-8b"], topology="tpu7x:2x2x1", tree_nodes=16, context=1024, tp=tp,
+        taps=(1, 17, 33), config_name="qwen3-8b",
+    )  # fmt: skip
+    assert rep.compiled, rep.error
+
+
 @pytest.mark.slow
 def test_qwen3_8b_report_figures():
     rep = aot.compile_verify(
