@@ -698,13 +698,22 @@ def _hidden_block(
     """
     out = _run_layers(cfg, params, tokens, positions, block_mask, cache, slots, cache_lens,
                       cache_mask, kv_len, side, layout, taps)  # fmt: skip
+    if not taps:
+        return out
+    x, ks, vs, feats = out
+    return x, ks, vs, norm_last_tap(cfg, params, feats, taps)
+
+
+def norm_last_tap(cfg: ModelConfig, params: Params, feats: jax.Array, taps) -> jax.Array:
+    """Features f32[..., len(taps) x D] with the last layer's (if tapped) after the final
+    norm: transformers' last hidden state is the final norm's output. The XLA forward
+    and the verify megakernel both return features this way."""
     last = cfg.num_layers - 1
     if last not in taps:
-        return out
-    x, ks, vs, feats = out  # transformers' last hidden state is the final norm's output
-    d, i = x.shape[-1], taps.index(last)
-    normed = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return x, ks, vs, feats.at[..., i * d : (i + 1) * d].set(normed)
+        return feats
+    d = feats.shape[-1] // len(taps)
+    at = slice(taps.index(last) * d, (taps.index(last) + 1) * d)
+    return feats.at[..., at].set(rms_norm(feats[..., at], params["final_norm"], cfg.rms_norm_eps))
 
 
 def _run_layers(cfg, params, tokens, positions, block_mask, cache, slots, cache_lens, cache_mask,

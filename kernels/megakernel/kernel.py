@@ -354,16 +354,11 @@ def _verify_call(params, cache, roots, tokens, parents, slots, cache_lens, *, cf
 
 
 def _features(raw, params, cfg, taps, b, np_, n1):
-    """The kernel's tapped residuals f32[n_taps, B x Np, D] as f32[B, N + 1, n_taps x D];
-    the last layer's after the final norm (transformers' last hidden state, as
-    `transformer.block_logits_kv`)."""
+    """The kernel's tapped residuals f32[n_taps, B x Np, D] as `block_logits_kv` gives
+    features: f32[B, N + 1, n_taps x D], the last layer's after the final norm."""
     d = raw.shape[-1]
-    f = raw.reshape(len(taps), b, np_, d)[:, :, :n1]
-    last = cfg.num_layers - 1
-    if last in taps:
-        i = taps.index(last)
-        f = f.at[i].set(transformer.rms_norm(f[i], params["final_norm"], cfg.rms_norm_eps))
-    return f.transpose(1, 2, 0, 3).reshape(b, n1, len(taps) * d)
+    f = raw.reshape(len(taps), b, np_, d)[:, :, :n1].transpose(1, 2, 0, 3)
+    return transformer.norm_last_tap(cfg, params, f.reshape(b, n1, len(taps) * d), taps)
 
 
 def _cut(ndim: int, axis: int | None) -> P:
