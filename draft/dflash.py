@@ -165,7 +165,8 @@ def config_from_hf(hf: dict) -> DFlashConfig:
     draft_vocab = int(_field(hf, "draft_vocab_size") or 0)
     if not 0 <= draft_vocab <= model.vocab_size:
         raise ValueError(
-            f"draft_vocab_size {draft_vocab} must be in [1, vocab_size={model.vocab_size}]."
+            f"draft_vocab_size {draft_vocab} must be in [1, vocab_size={model.vocab_size}] "
+            "(0 or absent: the whole vocabulary)."
         )
     if v2 and draft_vocab and draft_vocab < v2_fields["selector_top_k"]:
         raise ValueError(f"draft_vocab_size {draft_vocab} is below selector_top_k "
